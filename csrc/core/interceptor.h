@@ -1,0 +1,66 @@
+#pragma once
+// The op interceptor: one boxed handler stack, reached through one of two
+// adapters.
+//
+//  * key adapter: a boxed fallback on a functionality key just below autograd
+//    (DispatchKey::Fake, unused by torch 2.13), switched on per thread through
+//    the TLS included set while a handler is active.
+//  * Python-key adapter: a TorchDispatchMode whose __torch_dispatch__ is a C
+//    function calling OpHandler::handle (see csrc/python/python_key_adapter).
+//
+// Both see exactly the ops a TorchDispatchMode sees.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/util/FunctionRef.h>
+
+#include <memory>
+
+namespace torch_sac {
+
+// Runs the intercepted op for real: the next handler below, or the kernel.
+using RunOp = c10::function_ref<void(torch::jit::Stack*)>;
+
+class OpHandler {
+ public:
+  virtual ~OpHandler() = default;
+  // `stack` holds the op's arguments; on return it must hold its outputs.
+  // Called below autograd with the interceptor switched off for nested ops.
+  // `adapter_view` is passed on to policies as OpCall::adapter_view.
+  virtual void handle(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      RunOp run,
+      const void* adapter_view) = 0;
+};
+
+// The functionality key the key adapter claims.
+constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::Fake;
+
+// Why the key adapter cannot be used with the loaded torch, or "" if it can.
+std::string key_adapter_unavailable_reason();
+
+// Registers the boxed fallback on kInterceptKey (idempotent). Raises when
+// key_adapter_unavailable_reason() is not empty.
+void install_key_adapter();
+bool key_adapter_installed();
+
+// Pushes `handler` on this thread's handler stack for the key adapter and
+// switches interception on; pops it (LIFO) when destroyed.
+class KeyAdapterScope {
+ public:
+  explicit KeyAdapterScope(std::shared_ptr<OpHandler> handler);
+  ~KeyAdapterScope();
+  KeyAdapterScope(const KeyAdapterScope&) = delete;
+  KeyAdapterScope& operator=(const KeyAdapterScope&) = delete;
+
+ private:
+  OpHandler* handler_;
+};
+
+// Non-RAII form for context managers whose enter and exit are separate calls.
+void push_key_handler(std::shared_ptr<OpHandler> handler);
+void pop_key_handler(const OpHandler* expected_top);
+size_t key_handler_depth();
+
+} // namespace torch_sac

@@ -1,0 +1,35 @@
+#pragma once
+// The interface every checkpointing policy implements, built-in or user-written.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <string>
+
+#include "policy.h"
+
+namespace torch_sac {
+
+// One intercepted op after it ran: what a policy may look at.
+struct OpCall {
+  const c10::OperatorHandle& op;
+  c10::ArrayRef<c10::IValue> inputs;
+  c10::ArrayRef<c10::IValue> outputs;
+  // How many times this op overload ran before in the same region (0-based).
+  int64_t call_index;
+  // Adapter-specific view of the same call (the Python objects the
+  // Python-key adapter already holds), so a Python policy need not rebuild
+  // them. nullptr when the call came through the dispatch-key adapter.
+  const void* adapter_view = nullptr;
+};
+
+class OpPolicy {
+ public:
+  virtual ~OpPolicy() = default;
+  // Called once per intercepted op in forward, never during recompute.
+  virtual Policy decide(const OpCall& call) = 0;
+  virtual std::string describe() const = 0;
+};
+
+} // namespace torch_sac

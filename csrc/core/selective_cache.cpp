@@ -1,0 +1,211 @@
+#include "selective_cache.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+
+#include "ignored_ops.h"
+
+namespace torch_sac {
+namespace {
+
+// An alias of `t` with no autograd metadata that shares its storage and
+// version counter: autograd can set up views on it when it is handed back,
+// the cache holds no reference to the graph, and mutations stay visible
+// through the version counter.
+at::Tensor detached_alias(const at::Tensor& t) {
+  if (!t.defined()) {
+    return t;
+  }
+  auto* impl = t.unsafeGetTensorImpl();
+  return at::Tensor(impl->shallow_copy_and_detach(
+      /*version_counter=*/impl->version_counter(),
+      /*allow_tensor_metadata_change=*/false));
+}
+
+int64_t tensor_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
+}
+
+// Applies `fn` to every tensor an output holds (Tensor, Tensor[], Tensor?[]),
+// returning the output with the tensors replaced.
+template <typename Fn>
+c10::IValue map_tensors(const c10::IValue& value, Fn&& fn) {
+  if (value.isTensor()) {
+    return fn(value.toTensor());
+  }
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : value.toTensorList()) {
+      out.push_back(fn(t));
+    }
+    return out;
+  }
+  if (value.isList()) {
+    c10::impl::GenericList out(value.toList().elementType());
+    for (const c10::IValue& v : value.toListRef()) {
+      out.push_back(map_tensors(v, fn));
+    }
+    return out;
+  }
+  return value;
+}
+
+template <typename Fn>
+void for_each_tensor(const c10::IValue& value, Fn&& fn) {
+  if (value.isTensor()) {
+    fn(value.toTensor());
+  } else if (value.isList()) {
+    for (const c10::IValue& v : value.toListRef()) {
+      for_each_tensor(v, fn);
+    }
+  }
+}
+
+std::string op_display_name(const c10::OperatorHandle& op) {
+  const auto& name = op.operator_name();
+  return name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name);
+}
+
+} // namespace
+
+bool recording_disabled() {
+  return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
+}
+
+CachingHandler::CachingHandler(
+    std::shared_ptr<SelectiveCache> cache,
+    std::shared_ptr<OpPolicy> policy)
+    : cache_(std::move(cache)), policy_(std::move(policy)) {
+  TORCH_CHECK(cache_ && policy_, "torch_sac: CachingHandler needs a cache and a policy");
+}
+
+void CachingHandler::handle(
+    const c10::OperatorHandle& op,
+    torch::jit::Stack* stack,
+    RunOp run,
+    const void* adapter_view) {
+  if (recording_disabled() || is_ignored_op(op.operator_name())) {
+    run(stack);
+    return;
+  }
+  const size_t num_args = op.schema().arguments().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  // The policy may look at the inputs after the op ran (torch calls it with
+  // op_output), so keep them; in-place ops return their input anyway.
+  std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  run(stack);
+  const size_t num_returns = op.schema().returns().size();
+  c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+
+  const int64_t call_index = call_counts_[op]++;
+  const Policy decision =
+      policy_->decide(OpCall{op, inputs, outputs, call_index, adapter_view});
+  auto& stats = cache_->stats();
+  ++stats.policy_calls;
+
+  auto& entries = cache_->entries_for(op);
+  if (entries.size() <= static_cast<size_t>(call_index)) {
+    entries.resize(call_index + 1);
+  }
+  SelectiveCache::Entry& entry = entries[call_index];
+  entry = SelectiveCache::Entry{};
+  if (!is_save(decision)) {
+    return;
+  }
+  entry.state = SelectiveCache::EntryState::Cached;
+  entry.outputs.reserve(num_returns);
+  for (const c10::IValue& out : outputs) {
+    entry.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
+      entry.versions.push_back(t.defined() ? t._version() : 0);
+      stats.saved_bytes += tensor_bytes(t);
+      return detached_alias(t);
+    }));
+  }
+  ++stats.saved_ops;
+}
+
+CachedHandler::CachedHandler(
+    std::shared_ptr<SelectiveCache> cache,
+    bool allow_cache_entry_mutation)
+    : cache_(std::move(cache)),
+      allow_cache_entry_mutation_(allow_cache_entry_mutation) {
+  TORCH_CHECK(cache_, "torch_sac: CachedHandler needs a cache");
+}
+
+void CachedHandler::handle(
+    const c10::OperatorHandle& op,
+    torch::jit::Stack* stack,
+    RunOp run,
+    const void* /*adapter_view*/) {
+  if (recording_disabled() || is_ignored_op(op.operator_name())) {
+    run(stack);
+    return;
+  }
+  const int64_t call_index = call_counts_[op]++;
+  auto& entries = cache_->entries_for(op);
+  TORCH_CHECK(
+      static_cast<size_t>(call_index) < entries.size(),
+      "torch_sac: ", op_display_name(op), " (call ", call_index,
+      ") ran during recompute but not in forward. The checkpointed region must "
+      "run the same ops in backward as in forward: avoid data-dependent control "
+      "flow and global state that changes between forward and backward.");
+  SelectiveCache::Entry& entry = entries[call_index];
+  auto& stats = cache_->stats();
+  switch (entry.state) {
+    case SelectiveCache::EntryState::Recompute:
+      run(stack);
+      ++stats.recomputed_ops;
+      return;
+    case SelectiveCache::EntryState::Consumed:
+      TORCH_CHECK(
+          false,
+          "Trying to backward an extra time. You are only allowed to backward "
+          "once on any region computed under selective activation checkpoint "
+          "(torch_sac: the cached output of ", op_display_name(op), " call ",
+          call_index, " was already used by an earlier backward).");
+    case SelectiveCache::EntryState::Cached:
+      break;
+  }
+  if (!allow_cache_entry_mutation_) {
+    size_t i = 0;
+    for (const c10::IValue& out : entry.outputs) {
+      for_each_tensor(out, [&](const at::Tensor& t) {
+        const uint32_t cached_version = entry.versions[i++];
+        TORCH_CHECK(
+            !t.defined() || t._version() == cached_version,
+            "torch_sac: an output of ", op_display_name(op), " (call ",
+            call_index, ") was cached by selective activation checkpointing "
+            "and then mutated in place (version ", cached_version, " -> ",
+            t._version(), ") before backward, so backward would see wrong "
+            "values. Make the policy recompute this op, avoid the in-place "
+            "op, or pass allow_cache_entry_mutation=True if the mutation is "
+            "intended.");
+      });
+    }
+  }
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  for (c10::IValue& out : entry.outputs) {
+    stack->push_back(std::move(out));
+  }
+  entry.outputs.clear();
+  entry.versions.clear();
+  entry.state = SelectiveCache::EntryState::Consumed;
+  ++stats.cache_hits;
+}
+
+} // namespace torch_sac
+
+namespace torch_sac {
+
+SelectiveCheckpoint make_selective_checkpoint(
+    std::shared_ptr<OpPolicy> policy,
+    bool allow_cache_entry_mutation) {
+  auto cache = std::make_shared<SelectiveCache>();
+  return SelectiveCheckpoint{
+      cache,
+      std::make_shared<CachingHandler>(cache, std::move(policy)),
+      std::make_shared<CachedHandler>(cache, allow_cache_entry_mutation)};
+}
+
+} // namespace torch_sac

@@ -1,0 +1,106 @@
+#pragma once
+// The drop-in for torch.utils.checkpoint.create_selective_checkpoint_contexts:
+// a caching handler for forward and a cached handler for recompute sharing one
+// SelectiveCache. Forward caches the outputs of SAVE ops keyed by
+// (op, call index) with their version counters; recompute hands cached outputs
+// back and runs the rest.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "interceptor.h"
+#include "op_policy.h"
+
+namespace torch_sac {
+
+struct SelectiveCacheStats {
+  int64_t policy_calls = 0;
+  int64_t saved_ops = 0;
+  int64_t saved_bytes = 0;
+  int64_t recomputed_ops = 0;
+  int64_t cache_hits = 0;
+};
+
+class SelectiveCache {
+ public:
+  enum class EntryState : uint8_t { Recompute, Cached, Consumed };
+
+  struct Entry {
+    EntryState state = EntryState::Recompute;
+    // Outputs with every tensor replaced by a detached alias sharing its
+    // storage and version counter.
+    std::vector<c10::IValue> outputs;
+    // Version of each cached tensor at caching time, in outputs order.
+    std::vector<uint32_t> versions;
+  };
+
+  // Entries per op overload, indexed by call index.
+  std::vector<Entry>& entries_for(const c10::OperatorHandle& op) {
+    return entries_[op];
+  }
+  SelectiveCacheStats& stats() {
+    return stats_;
+  }
+
+ private:
+  std::unordered_map<c10::OperatorHandle, std::vector<Entry>> entries_;
+  SelectiveCacheStats stats_;
+};
+
+class CachingHandler final : public OpHandler {
+ public:
+  CachingHandler(
+      std::shared_ptr<SelectiveCache> cache,
+      std::shared_ptr<OpPolicy> policy);
+  void handle(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      RunOp run,
+      const void* adapter_view) override;
+
+ private:
+  std::shared_ptr<SelectiveCache> cache_;
+  std::shared_ptr<OpPolicy> policy_;
+  std::unordered_map<c10::OperatorHandle, int64_t> call_counts_;
+};
+
+class CachedHandler final : public OpHandler {
+ public:
+  CachedHandler(
+      std::shared_ptr<SelectiveCache> cache,
+      bool allow_cache_entry_mutation);
+  void handle(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      RunOp run,
+      const void* adapter_view) override;
+  // Recompute restarts counting at call 0 each time it is entered.
+  void reset_call_counts() {
+    call_counts_.clear();
+  }
+
+ private:
+  std::shared_ptr<SelectiveCache> cache_;
+  bool allow_cache_entry_mutation_;
+  std::unordered_map<c10::OperatorHandle, int64_t> call_counts_;
+};
+
+// The pair of handlers create_selective_checkpoint_contexts returns, sharing
+// one cache.
+struct SelectiveCheckpoint {
+  std::shared_ptr<SelectiveCache> cache;
+  std::shared_ptr<CachingHandler> caching;
+  std::shared_ptr<CachedHandler> cached;
+};
+SelectiveCheckpoint make_selective_checkpoint(
+    std::shared_ptr<OpPolicy> policy,
+    bool allow_cache_entry_mutation);
+
+// True when interception should step aside: no autograd graph is being built.
+bool recording_disabled();
+
+} // namespace torch_sac

@@ -1,0 +1,133 @@
+#include "python_key_adapter.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <unordered_map>
+
+#include "python_call_view.h"
+
+namespace py = pybind11;
+
+namespace torch_sac::python {
+namespace {
+
+constexpr const char* kCapsuleName = "torch_sac.OpHandler";
+
+struct DispatchTarget {
+  std::shared_ptr<OpHandler> handler;
+};
+
+// The operator behind each OpOverload object seen so far. Keys hold a strong
+// reference so a pointer is never reused by another object. Guarded by the GIL.
+struct ResolvedOp {
+  std::optional<c10::OperatorHandle> op;  // unset: not a dispatcher operator
+};
+std::unordered_map<PyObject*, ResolvedOp>& resolved_ops() {
+  static auto* ops = new std::unordered_map<PyObject*, ResolvedOp>();
+  return *ops;
+}
+
+const ResolvedOp& resolve(PyObject* func) {
+  auto& ops = resolved_ops();
+  auto it = ops.find(func);
+  if (it != ops.end()) {
+    return it->second;
+  }
+  ResolvedOp resolved;
+  py::handle f(func);
+  // HigherOrderOperators and other callables have no schema: pass them through.
+  if (py::hasattr(f, "_schema")) {
+    py::object schema = f.attr("_schema");
+    c10::OperatorName name(
+        py::cast<std::string>(schema.attr("name")),
+        py::cast<std::string>(schema.attr("overload_name")));
+    resolved.op = c10::Dispatcher::singleton().findOp(name);
+  }
+  Py_INCREF(func);
+  return ops.emplace(func, std::move(resolved)).first->second;
+}
+
+PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      nargs == 3 || nargs == 4,
+      "torch_sac: __torch_dispatch__ expects (func, types, args, kwargs), got ",
+      nargs, " arguments");
+  auto* target =
+      static_cast<DispatchTarget*>(PyCapsule_GetPointer(self, kCapsuleName));
+  if (!target) {
+    return nullptr;
+  }
+  PyObject* func = argv[0];
+  PyObject* args = argv[2];
+  PyObject* kwargs = nargs == 4 ? argv[3] : Py_None;
+  const ResolvedOp& resolved = resolve(func);
+  if (!resolved.op) {
+    return PyObject_Call(func, args, kwargs == Py_None ? nullptr : kwargs);
+  }
+  const c10::OperatorHandle& op = *resolved.op;
+  torch::jit::Stack stack = torch::jit::createStackForSchema(
+      op.schema(),
+      py::reinterpret_borrow<py::tuple>(args),
+      kwargs == Py_None ? py::kwargs()
+                        : py::reinterpret_borrow<py::kwargs>(kwargs),
+      std::nullopt);
+  const PythonCallView view{func, args, kwargs};
+  target->handler->handle(
+      op,
+      &stack,
+      [&](torch::jit::Stack* s) {
+        // torch popped this mode while __torch_dispatch__ runs, so this call
+        // reaches the next mode or the kernel.
+        py::gil_scoped_release no_gil;
+        op.callBoxed(s);
+      },
+      &view);
+  return torch::jit::createPyObjectForStack(std::move(stack)).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef torch_dispatch_def = {
+    "__torch_dispatch__",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_dispatch)),
+    METH_FASTCALL,
+    "torch_sac's interceptor at the Python dispatch key."};
+
+} // namespace
+
+py::object make_torch_dispatch(std::shared_ptr<OpHandler> handler) {
+  TORCH_CHECK_VALUE(handler, "torch_sac: make_torch_dispatch needs a handler");
+  auto capsule = py::reinterpret_steal<py::object>(PyCapsule_New(
+      new DispatchTarget{std::move(handler)}, kCapsuleName, [](PyObject* cap) {
+        delete static_cast<DispatchTarget*>(PyCapsule_GetPointer(cap, kCapsuleName));
+      }));
+  if (!capsule) {
+    throw py::error_already_set();
+  }
+  PyObject* fn = PyCFunction_NewEx(&torch_dispatch_def, capsule.ptr(), nullptr);
+  if (!fn) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+py::object overload_for(const c10::OperatorHandle& op) {
+  static auto* cache = new std::unordered_map<c10::OperatorHandle, py::object>();
+  auto it = cache->find(op);
+  if (it != cache->end()) {
+    return it->second;
+  }
+  const auto& name = op.operator_name();
+  const auto sep = name.name.find("::");
+  TORCH_INTERNAL_ASSERT(sep != std::string::npos, "unqualified op ", name.name);
+  py::object packet = py::module_::import("torch").attr("ops")
+                          .attr(name.name.substr(0, sep).c_str())
+                          .attr(name.name.substr(sep + 2).c_str());
+  py::object overload = packet.attr(
+      name.overload_name.empty() ? "default" : name.overload_name.c_str());
+  cache->emplace(op, overload);
+  return overload;
+}
+
+} // namespace torch_sac::python

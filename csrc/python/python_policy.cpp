@@ -1,0 +1,204 @@
+#include "python_policy.h"
+
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <array>
+
+#include "policies/builtin_policies.h"
+#include "python_call_view.h"
+#include "python_key_adapter.h"
+
+namespace py = pybind11;
+
+namespace torch_sac::python {
+namespace {
+
+// Members in CheckpointPolicy value order: MUST_SAVE, PREFER_SAVE,
+// MUST_RECOMPUTE, PREFER_RECOMPUTE (then, for torch's enum, the two
+// *_CPU_OFFLOAD members torch_sac does not implement).
+struct PolicyEnums {
+  std::array<py::object, 4> sac;
+  std::vector<py::object> torch;
+};
+PolicyEnums& policy_enums() {
+  static auto* enums = new PolicyEnums();
+  return *enums;
+}
+
+std::string op_display_name(const c10::OperatorHandle& op) {
+  const auto& name = op.operator_name();
+  return name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name);
+}
+
+Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
+  const auto& enums = policy_enums();
+  for (size_t i = 0; i < enums.sac.size(); ++i) {
+    if (value == enums.sac[i].ptr() || value == enums.torch[i].ptr()) {
+      return static_cast<Policy>(i);
+    }
+  }
+  if (PyBool_Check(value)) {
+    return policy_from_bool(value == Py_True);
+  }
+  const std::string repr = py::repr(value);
+  for (size_t i = enums.sac.size(); i < enums.torch.size(); ++i) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        value != enums.torch[i].ptr(),
+        "torch_sac: the policy returned ", repr, " for ", op_display_name(op),
+        "; torch_sac does not offload to CPU. Return MUST_SAVE and wrap the "
+        "region in torch.autograd.graph.save_on_cpu() instead.");
+  }
+  TORCH_CHECK_TYPE(
+      false,
+      "torch_sac: the policy returned ", repr, " (type ",
+      Py_TYPE(value)->tp_name, ") for ", op_display_name(op),
+      "; expected torch_sac.Policy, torch.utils.checkpoint.CheckpointPolicy "
+      "or bool.");
+}
+
+// Positional args and kwargs as __torch_dispatch__ would receive them: kwarg-only
+// arguments in kwargs, trailing arguments equal to their defaults left out.
+std::pair<py::tuple, py::dict> args_kwargs_from_stack(
+    const c10::OperatorHandle& op,
+    c10::ArrayRef<c10::IValue> inputs) {
+  const auto& schema_args = op.schema().arguments();
+  const auto is_default = [&](size_t i) {
+    const auto& def = schema_args[i].default_value();
+    if (!def || inputs[i].isTensor()) {
+      return false;
+    }
+    if (def->isNone() || inputs[i].isNone()) {
+      return def->isNone() && inputs[i].isNone();
+    }
+    return def->tagKind() == inputs[i].tagKind() && *def == inputs[i];
+  };
+  size_t kwarg_start = inputs.size();
+  while (kwarg_start > 0 && schema_args[kwarg_start - 1].kwarg_only()) {
+    --kwarg_start;
+  }
+  py::dict kwargs;
+  for (size_t i = kwarg_start; i < inputs.size(); ++i) {
+    if (!is_default(i)) {
+      kwargs[schema_args[i].name().c_str()] = torch::jit::toPyObject(inputs[i]);
+    }
+  }
+  size_t positional_end = kwarg_start;
+  while (positional_end > 0 && is_default(positional_end - 1)) {
+    --positional_end;
+  }
+  py::tuple args(positional_end);
+  for (size_t i = 0; i < positional_end; ++i) {
+    args[i] = torch::jit::toPyObject(inputs[i]);
+  }
+  return {std::move(args), std::move(kwargs)};
+}
+
+class PythonPolicy final : public OpPolicy {
+ public:
+  explicit PythonPolicy(py::object fn) : fn_(std::move(fn)) {}
+
+  ~PythonPolicy() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::object();
+  }
+
+  Policy decide(const OpCall& call) override {
+    py::gil_scoped_acquire gil;
+    const auto* view = static_cast<const PythonCallView*>(call.adapter_view);
+    py::object op;
+    py::tuple args;
+    py::dict kwargs;
+    if (view) {
+      op = py::reinterpret_borrow<py::object>(view->func);
+      args = py::reinterpret_borrow<py::tuple>(view->args);
+      if (view->kwargs != Py_None) {
+        kwargs = py::reinterpret_borrow<py::dict>(view->kwargs);
+      }
+    } else {
+      op = overload_for(call.op);
+      std::tie(args, kwargs) = args_kwargs_from_stack(call.op, call.inputs);
+    }
+    py::object ctx = context_class()(
+        py::arg("is_recompute") = false,
+        py::arg("op_output") = torch::jit::createPyObjectForStack(
+            torch::jit::Stack(call.outputs.begin(), call.outputs.end())));
+    // fn(ctx, op, *args, **kwargs) without building an intermediate list.
+    py::tuple call_args(args.size() + 2);
+    call_args[0] = ctx;
+    call_args[1] = op;
+    for (size_t i = 0; i < args.size(); ++i) {
+      call_args[i + 2] = args[i];
+    }
+    PyObject* result = PyObject_Call(fn_.ptr(), call_args.ptr(), kwargs.ptr());
+    if (!result) {
+      throw py::error_already_set();
+    }
+    auto owned = py::reinterpret_steal<py::object>(result);
+    return policy_from_python(owned.ptr(), call.op);
+  }
+
+  std::string describe() const override {
+    py::gil_scoped_acquire gil;
+    return "python_policy(" + py::cast<std::string>(py::repr(fn_)) + ")";
+  }
+
+ private:
+  static py::object& context_class() {
+    static auto* cls = new py::object(
+        py::module_::import("torch.utils.checkpoint")
+            .attr("SelectiveCheckpointContext"));
+    return *cls;
+  }
+
+  py::object fn_;
+};
+
+std::vector<policies::OpPattern> to_patterns(const OpPatternList& ops) {
+  std::vector<policies::OpPattern> patterns;
+  patterns.reserve(ops.size());
+  for (const auto& [name, overload] : ops) {
+    patterns.push_back({name, overload});
+  }
+  return patterns;
+}
+
+} // namespace
+
+void register_policy_enums(py::object sac_policy, py::object torch_policy) {
+  static const char* names[] = {
+      "MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"};
+  auto& enums = policy_enums();
+  enums.torch.clear();
+  for (size_t i = 0; i < 4; ++i) {
+    enums.sac[i] = sac_policy.attr(names[i]);
+    enums.torch.push_back(torch_policy.attr(names[i]));
+  }
+  for (const char* extra : {"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"}) {
+    if (py::hasattr(torch_policy, extra)) {
+      enums.torch.push_back(torch_policy.attr(extra));
+    }
+  }
+}
+
+py::object policy_to_python(Policy p) {
+  const auto& member = policy_enums().sac[static_cast<size_t>(p)];
+  TORCH_CHECK(member, "torch_sac: policy enums are not registered");
+  return member;
+}
+
+std::shared_ptr<OpPolicy> make_python_policy(py::object fn) {
+  TORCH_CHECK_TYPE(
+      PyCallable_Check(fn.ptr()),
+      "torch_sac: a policy must be callable, got ", py::repr(fn).cast<std::string>());
+  return std::make_shared<PythonPolicy>(std::move(fn));
+}
+
+std::shared_ptr<OpPolicy> make_save_ops(const OpPatternList& ops) {
+  return policies::save_ops(to_patterns(ops));
+}
+
+std::shared_ptr<OpPolicy> make_every_nth(const OpPatternList& ops, int64_t n) {
+  return policies::every_nth(to_patterns(ops), n);
+}
+
+} // namespace torch_sac::python

@@ -1,0 +1,52 @@
+#pragma once
+// The built-in policy library: policies decided in C++, never calling Python.
+
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "csrc/core/op_policy.h"
+
+namespace torch_sac::policies {
+
+// An op or a whole op packet: `overload` unset matches every overload of
+// `name` ("aten::mm"), as an OpOverloadPacket does in Python.
+struct OpPattern {
+  std::string name;
+  std::optional<std::string> overload;  // "" is the default overload
+};
+
+// Matches op names against a list of patterns.
+class OpMatcher {
+ public:
+  explicit OpMatcher(const std::vector<OpPattern>& patterns);
+  bool matches(const c10::OperatorName& op) const;
+  std::string describe() const;
+
+ private:
+  std::unordered_set<std::string> packets_;
+  std::unordered_set<c10::OperatorName> overloads_;
+};
+
+// MUST_SAVE for the listed ops, PREFER_RECOMPUTE for the rest (torch's
+// semantics for a list of ops).
+std::shared_ptr<OpPolicy> save_ops(const std::vector<OpPattern>& ops);
+
+// PREFER_SAVE for every op: no memory saved, no recompute.
+std::shared_ptr<OpPolicy> save_all();
+
+// PREFER_RECOMPUTE for every op: plain activation checkpointing.
+std::shared_ptr<OpPolicy> recompute_all();
+
+// save_ops over matrix multiplies, convolutions and attention kernels, the
+// expensive ops whose outputs are worth their memory (torchtitan's choice).
+std::shared_ptr<OpPolicy> save_matmuls();
+const std::vector<OpPattern>& matmul_ops();
+
+// MUST_SAVE for call indices 0, n, 2n, ... of each listed op overload within
+// a region, PREFER_RECOMPUTE otherwise. The index comes from the region, so
+// the policy holds no counter and recompute cannot shift it.
+std::shared_ptr<OpPolicy> every_nth(const std::vector<OpPattern>& ops, int64_t n);
+
+} // namespace torch_sac::policies

@@ -1,0 +1,47 @@
+"""Builds torch_sac by driving CMake against the installed torch.
+
+Install without build isolation so the build sees that torch:
+    pip install --no-build-isolation -e .
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+# A fixed build tree: scripts/run_tests.sh runs the GoogleTest binary from here
+# and rebuilds stay incremental.
+BUILD_DIR = ROOT / "build" / "cmake"
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        output = Path(self.get_ext_fullpath(ext.name)).resolve()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        build_tests = os.environ.get("TORCH_SAC_BUILD_TESTS", "ON")
+        configure = [
+            "cmake", "-S", str(ROOT), "-B", str(BUILD_DIR),
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DTORCH_SAC_EXTENSION_OUTPUT={output}",
+            f"-DTORCH_SAC_BUILD_TESTS={build_tests}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        subprocess.check_call(configure)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.check_call(["cmake", "--build", str(BUILD_DIR), "-j", jobs])
+
+
+setup(
+    ext_modules=[CMakeExtension("torch_sac._C")],
+    cmdclass={"build_ext": CMakeBuild},
+)

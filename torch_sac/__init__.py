@@ -1,0 +1,38 @@
+"""torch_sac: selective activation checkpointing at the dispatcher level.
+
+See README.md for usage. ``adapter()`` tells which interception adapter this
+process uses.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+import torch.utils.checkpoint as _torch_checkpoint
+
+from . import _C, policies
+from ._adapter import adapter
+from .contexts import create_selective_checkpoint_contexts
+from .policy import Policy
+
+__all__ = [
+    "IGNORED_OPS",
+    "Policy",
+    "adapter",
+    "create_selective_checkpoint_contexts",
+    "policies",
+]
+
+
+def _ignored_ops():
+    ops = set()
+    for qualified, overload in _C.ignored_op_names():
+        namespace, name = qualified.split("::")
+        packet = getattr(getattr(torch.ops, namespace), name)
+        ops.add(getattr(packet, overload or "default"))
+    return frozenset(ops)
+
+
+#: Ops never passed to a policy: metadata queries and detach, whose count
+#: differs between forward and recompute. A superset of PyTorch's
+#: ``torch.utils.checkpoint.SAC_IGNORED_OPS``.
+IGNORED_OPS = _ignored_ops()
+
+_C.register_policy_enums(Policy, _torch_checkpoint.CheckpointPolicy)

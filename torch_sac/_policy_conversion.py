@@ -1,0 +1,23 @@
+"""Turns what users pass as a policy into a C++ OpPolicy."""
+
+import torch
+
+from . import _C
+from .policies import save_ops
+
+__all__ = ["as_op_policy"]
+
+
+def as_op_policy(policy, where):
+    """A C++ policy from a built-in policy, a list of ops or a callable."""
+    if isinstance(policy, _C.OpPolicy):
+        return policy
+    if isinstance(policy, (list, tuple)):
+        return save_ops(list(policy))
+    if callable(policy):
+        return _C.python_policy(policy)
+    raise TypeError(
+        f"torch_sac.{where}: a policy must be a callable "
+        "policy(ctx, op, *args, **kwargs), a list of ops or a "
+        f"torch_sac.policies built-in, got {policy!r} (type {type(policy).__name__})"
+    )

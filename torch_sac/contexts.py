@@ -1,0 +1,86 @@
+"""A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
+
+from . import _C
+from ._modes import handler_mode
+from ._policy_conversion import as_op_policy
+
+__all__ = ["create_selective_checkpoint_contexts"]
+
+
+class _SelectiveContext:
+    """One of the two contexts: routes ops through a C++ handler while entered."""
+
+    def __init__(self, state, handler, on_enter=None):
+        self._state = state
+        self._mode = handler_mode(handler, on_enter)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return self._mode.__exit__(exc_type, exc, tb)
+
+    def stats(self):
+        """Counters shared by both contexts of the pair.
+
+        ``policy_calls`` (ops passed to the policy in forward), ``saved_ops``
+        and ``saved_bytes`` (outputs cached in forward), ``recomputed_ops``
+        (ops re-run during recompute) and ``cache_hits`` (cached outputs handed
+        back during recompute).
+        """
+        return self._state.stats()
+
+
+def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mutation=False):
+    """Contexts for selective activation checkpointing, run by torch_sac's C++ core.
+
+    A drop-in for :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`:
+    pass it (with ``functools.partial``) as ``context_fn`` to
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` or to
+    ``checkpoint_wrapper``. Forward caches the outputs of ops the policy saves,
+    keyed by (op, call index); recompute hands them back and re-runs the rest.
+
+    Args:
+        policy_fn_or_list: one of
+            - a callable ``policy(ctx, op, *args, **kwargs)`` with PyTorch's
+              signature (``ctx.op_output`` holds the op's output,
+              ``ctx.is_recompute`` is always False), returning a
+              :class:`torch_sac.Policy`, a
+              :class:`torch.utils.checkpoint.CheckpointPolicy` or a bool;
+            - a list of ops to save: OpOverloads, or OpOverloadPackets such as
+              ``torch.ops.aten.mm`` matching every overload (PyTorch rejects
+              packets);
+            - a built-in from :mod:`torch_sac.policies`, decided in C++.
+        allow_cache_entry_mutation (bool): by default a cached output mutated
+            in place before backward raises, naming the op. ``True`` skips
+            that check.
+
+    Returns:
+        ``(forward_context, recompute_context)``. Both have ``stats()``.
+
+    Example:
+        >>> ctx_fn = functools.partial(
+        ...     torch_sac.create_selective_checkpoint_contexts,
+        ...     [torch.ops.aten.mm, torch.ops.aten.addmm])
+        >>> y = torch.utils.checkpoint.checkpoint(
+        ...     fn, x, use_reentrant=False, context_fn=ctx_fn)
+
+    Caveats:
+        The policy is called once per op in forward, after the op ran, and
+        never during recompute. Ops in :data:`torch_sac.IGNORED_OPS` never
+        reach it. With grad disabled or in inference mode nothing is recorded.
+        A second backward through the region raises, as in PyTorch. Unlike
+        PyTorch, CPU-offload policies are not supported.
+    """
+    if not isinstance(allow_cache_entry_mutation, bool):
+        raise TypeError(
+            "torch_sac.create_selective_checkpoint_contexts: "
+            f"allow_cache_entry_mutation must be a bool, got {allow_cache_entry_mutation!r}"
+        )
+    policy = as_op_policy(policy_fn_or_list, "create_selective_checkpoint_contexts")
+    state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
+    return (
+        _SelectiveContext(state, state.caching),
+        _SelectiveContext(state, state.cached, on_enter=state.cached.reset_call_counts),
+    )

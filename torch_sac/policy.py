@@ -1,0 +1,26 @@
+"""The checkpointing decision a policy returns for each op."""
+
+import enum
+
+__all__ = ["Policy"]
+
+
+class Policy(enum.Enum):
+    """What to do with an op's outputs.
+
+    - ``*_SAVE``: keep the outputs for backward.
+    - ``*_RECOMPUTE``: drop them and rebuild them when backward needs them.
+
+    ``MUST_*`` versus ``PREFER_*`` matters only when policies are stacked in
+    nested regions: MUST beats PREFER, two different MUSTs raise, and between
+    two PREFERs the innermost wins.
+
+    The values equal those of :class:`torch.utils.checkpoint.CheckpointPolicy`,
+    and a policy may return either enum, or a bool (``True`` means
+    ``MUST_SAVE``, ``False`` means ``PREFER_RECOMPUTE``, as in PyTorch).
+    """
+
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
