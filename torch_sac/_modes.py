@@ -29,16 +29,16 @@ class _KeyAdapterMode:
         return False
 
 
-class _PythonKeyMode(TorchDispatchMode):
+class _PythonKeyMode(_C.HandlerModeBase, TorchDispatchMode):
     """Intercepts at the Python dispatch key while entered.
 
-    ``__torch_dispatch__`` is an instance attribute: a C function bound to the
-    handler, so no Python frame runs per op.
+    ``__torch_dispatch__`` comes from ``_C.HandlerModeBase``: a C method that
+    runs the handler, so no Python frame runs per op.
     """
 
     def __init__(self, handler, on_enter=None):
-        super().__init__()
-        self.__torch_dispatch__ = _C.make_torch_dispatch(handler)
+        TorchDispatchMode.__init__(self)
+        self._set_handler(handler)
         self._on_enter = on_enter
 
     def __enter__(self):

@@ -31,6 +31,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<OpPolicy, std::shared_ptr<OpPolicy>>(m, "OpPolicy")
       .def("__repr__", &OpPolicy::describe);
   py::class_<OpHandler, std::shared_ptr<OpHandler>>(m, "OpHandler");
+  py::class_<CachingHandler, OpHandler, std::shared_ptr<CachingHandler>>(
+      m, "CachingHandler");
   py::class_<CachedHandler, OpHandler, std::shared_ptr<CachedHandler>>(
       m, "CachedHandler")
       .def("reset_call_counts", &CachedHandler::reset_call_counts);
@@ -57,7 +59,7 @@ PYBIND11_MODULE(_C, m) {
     pop_key_handler(h.get());
   });
   m.def("key_handler_depth", &key_handler_depth);
-  m.def("make_torch_dispatch", &python::make_torch_dispatch);
+  python::register_handler_mode_base(m);
 
   m.def("register_policy_enums", &python::register_policy_enums);
   m.def("python_policy", &python::make_python_policy);

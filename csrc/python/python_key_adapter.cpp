@@ -12,12 +12,6 @@ namespace py = pybind11;
 namespace torch_sac::python {
 namespace {
 
-constexpr const char* kCapsuleName = "torch_sac.OpHandler";
-
-struct DispatchTarget {
-  std::shared_ptr<OpHandler> handler;
-};
-
 // The operator behind each OpOverload object seen so far. Keys hold a strong
 // reference so a pointer is never reused by another object. Guarded by the GIL.
 struct ResolvedOp {
@@ -48,17 +42,20 @@ const ResolvedOp& resolve(PyObject* func) {
   return ops.emplace(func, std::move(resolved)).first->second;
 }
 
+// Instances of torch_sac._C.HandlerModeBase: the C part of the mode object.
+struct HandlerModeObject {
+  PyObject_HEAD
+  std::shared_ptr<OpHandler>* handler;  // owned; null until _set_handler
+};
+
 PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
       nargs == 3 || nargs == 4,
       "torch_sac: __torch_dispatch__ expects (func, types, args, kwargs), got ",
       nargs, " arguments");
-  auto* target =
-      static_cast<DispatchTarget*>(PyCapsule_GetPointer(self, kCapsuleName));
-  if (!target) {
-    return nullptr;
-  }
+  auto* mode = reinterpret_cast<HandlerModeObject*>(self);
+  TORCH_CHECK(mode->handler, "torch_sac: this mode has no handler; call _set_handler first");
   PyObject* func = argv[0];
   PyObject* args = argv[2];
   PyObject* kwargs = nargs == 4 ? argv[3] : Py_None;
@@ -74,11 +71,13 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
                         : py::reinterpret_borrow<py::kwargs>(kwargs),
       std::nullopt);
   const PythonCallView view{func, args, kwargs};
-  target->handler->handle(
+  // Keeps the handler alive even if the mode is reset while the op runs.
+  const std::shared_ptr<OpHandler> handler = *mode->handler;
+  handler->handle(
       op,
       &stack,
       [&](torch::jit::Stack* s) {
-        // torch popped this mode while __torch_dispatch__ runs, so this call
+        // torch pops this mode while __torch_dispatch__ runs, so this call
         // reaches the next mode or the kernel.
         py::gil_scoped_release no_gil;
         op.callBoxed(s);
@@ -88,28 +87,56 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
   END_HANDLE_TH_ERRORS
 }
 
-PyMethodDef torch_dispatch_def = {
-    "__torch_dispatch__",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_dispatch)),
-    METH_FASTCALL,
-    "torch_sac's interceptor at the Python dispatch key."};
+PyObject* set_handler(PyObject* self, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  auto handler = py::cast<std::shared_ptr<OpHandler>>(py::handle(arg));
+  TORCH_CHECK_VALUE(handler, "torch_sac: _set_handler needs a handler, got None");
+  auto* mode = reinterpret_cast<HandlerModeObject*>(self);
+  delete mode->handler;
+  mode->handler = new std::shared_ptr<OpHandler>(std::move(handler));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+void dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  auto* mode = reinterpret_cast<HandlerModeObject*>(self);
+  delete mode->handler;
+  mode->handler = nullptr;
+  type->tp_free(self);
+}
+
+PyMethodDef mode_methods[] = {
+    {"__torch_dispatch__",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_dispatch)),
+     METH_FASTCALL,
+     "Runs the op through torch_sac's C++ handler."},
+    {"_set_handler", &set_handler, METH_O, "Binds the C++ op handler."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot mode_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(&dealloc)},
+    {Py_tp_methods, mode_methods},
+    {Py_tp_new, reinterpret_cast<void*>(&PyType_GenericNew)},
+    {Py_tp_doc, const_cast<char*>(
+        "Base of torch_sac's TorchDispatchMode: __torch_dispatch__ in C.")},
+    {0, nullptr}};
+
+PyType_Spec mode_spec = {
+    "torch_sac._C.HandlerModeBase",
+    sizeof(HandlerModeObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    mode_slots};
 
 } // namespace
 
-py::object make_torch_dispatch(std::shared_ptr<OpHandler> handler) {
-  TORCH_CHECK_VALUE(handler, "torch_sac: make_torch_dispatch needs a handler");
-  auto capsule = py::reinterpret_steal<py::object>(PyCapsule_New(
-      new DispatchTarget{std::move(handler)}, kCapsuleName, [](PyObject* cap) {
-        delete static_cast<DispatchTarget*>(PyCapsule_GetPointer(cap, kCapsuleName));
-      }));
-  if (!capsule) {
+void register_handler_mode_base(py::module_& m) {
+  PyObject* type = PyType_FromSpec(&mode_spec);
+  if (!type) {
     throw py::error_already_set();
   }
-  PyObject* fn = PyCFunction_NewEx(&torch_dispatch_def, capsule.ptr(), nullptr);
-  if (!fn) {
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::object>(fn);
+  m.add_object("HandlerModeBase", py::reinterpret_steal<py::object>(type));
 }
 
 py::object overload_for(const c10::OperatorHandle& op) {

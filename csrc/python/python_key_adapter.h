@@ -10,9 +10,11 @@
 
 namespace torch_sac::python {
 
-// A builtin function `(func, types, args, kwargs)` bound to `handler`, meant to
-// be set as a TorchDispatchMode instance's __torch_dispatch__.
-pybind11::object make_torch_dispatch(std::shared_ptr<OpHandler> handler);
+// Adds torch_sac._C.HandlerModeBase: a base class whose __torch_dispatch__ is
+// a C fastcall method running the OpHandler bound by `_set_handler(handler)`.
+// torch_sac's TorchDispatchMode derives from it and from TorchDispatchMode
+// (torch requires __torch_dispatch__ to be a method bound to the mode).
+void register_handler_mode_base(pybind11::module_& m);
 
 // The OpOverload object for an operator (torch.ops.ns.name.overload), cached.
 pybind11::object overload_for(const c10::OperatorHandle& op);
