@@ -4,6 +4,8 @@
 
 #include <sstream>
 
+#include "csrc/core/op_name.h"
+
 namespace torch_sac::policies {
 namespace {
 
@@ -56,12 +58,6 @@ class EveryNthPolicy final : public OpPolicy {
   int64_t n_;
 };
 
-std::string pattern_name(const OpPattern& p) {
-  if (!p.overload) {
-    return p.name;
-  }
-  return p.name + "." + (p.overload->empty() ? "default" : *p.overload);
-}
 
 } // namespace
 
@@ -93,7 +89,7 @@ std::string OpMatcher::describe() const {
     sep = ", ";
   }
   for (const auto& op : overloads_) {
-    out << sep << pattern_name({op.name, op.overload_name});
+    out << sep << op_display_name(op);
     sep = ", ";
   }
   out << "]";

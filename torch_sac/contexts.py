@@ -31,6 +31,14 @@ class _SelectiveContext:
         """
         return self._state.stats()
 
+    def op_summary(self):
+        """Per op overload, in first-seen order: ``(op, saved, dropped, recomputed)``.
+
+        ``saved`` calls had their outputs cached in forward, ``dropped`` calls
+        were left to recompute, ``recomputed`` counts re-runs during recompute.
+        """
+        return self._state.op_summary()
+
 
 def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mutation=False):
     """Contexts for selective activation checkpointing, run by torch_sac's C++ core.

@@ -5,6 +5,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include "ignored_ops.h"
+#include "op_name.h"
 
 namespace torch_sac {
 namespace {
@@ -60,11 +61,6 @@ void for_each_tensor(const c10::IValue& value, Fn&& fn) {
       for_each_tensor(v, fn);
     }
   }
-}
-
-std::string op_display_name(const c10::OperatorHandle& op) {
-  const auto& name = op.operator_name();
-  return name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name);
 }
 
 } // namespace
@@ -155,7 +151,7 @@ void CachedHandler::handle(
   switch (entry.state) {
     case SelectiveCache::EntryState::Recompute:
       run(stack);
-      ++stats.recomputed_ops;
+      cache_->count_recompute(op);
       return;
     case SelectiveCache::EntryState::Consumed:
       TORCH_CHECK(
@@ -194,9 +190,20 @@ void CachedHandler::handle(
   ++stats.cache_hits;
 }
 
-} // namespace torch_sac
-
-namespace torch_sac {
+std::vector<OpSummary> SelectiveCache::summary() const {
+  std::vector<OpSummary> out;
+  out.reserve(first_seen_order_.size());
+  for (const auto& op : first_seen_order_) {
+    OpSummary s{op_display_name(op)};
+    for (const Entry& e : entries_.at(op)) {
+      (e.state == EntryState::Recompute ? s.dropped : s.saved) += 1;
+    }
+    auto it = recomputed_.find(op);
+    s.recomputed = it == recomputed_.end() ? 0 : it->second;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
 
 SelectiveCheckpoint make_selective_checkpoint(
     std::shared_ptr<OpPolicy> policy,

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -23,6 +24,14 @@ struct SelectiveCacheStats {
   int64_t saved_bytes = 0;
   int64_t recomputed_ops = 0;
   int64_t cache_hits = 0;
+};
+
+// What happened to one op overload's calls in a region.
+struct OpSummary {
+  std::string op;         // "aten::mm.default"
+  int64_t saved = 0;      // calls whose outputs were cached in forward
+  int64_t dropped = 0;    // calls left to recompute
+  int64_t recomputed = 0; // calls re-run during recompute
 };
 
 class SelectiveCache {
@@ -40,14 +49,26 @@ class SelectiveCache {
 
   // Entries per op overload, indexed by call index.
   std::vector<Entry>& entries_for(const c10::OperatorHandle& op) {
-    return entries_[op];
+    auto [it, inserted] = entries_.try_emplace(op);
+    if (inserted) {
+      first_seen_order_.push_back(op);
+    }
+    return it->second;
   }
   SelectiveCacheStats& stats() {
     return stats_;
   }
+  void count_recompute(const c10::OperatorHandle& op) {
+    ++stats_.recomputed_ops;
+    ++recomputed_[op];
+  }
+  // Per-op counts, in the order ops were first seen.
+  std::vector<OpSummary> summary() const;
 
  private:
   std::unordered_map<c10::OperatorHandle, std::vector<Entry>> entries_;
+  std::vector<c10::OperatorHandle> first_seen_order_;
+  std::unordered_map<c10::OperatorHandle, int64_t> recomputed_;
   SelectiveCacheStats stats_;
 };
 

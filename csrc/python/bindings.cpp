@@ -50,6 +50,13 @@ PYBIND11_MODULE(_C, m) {
         d["recomputed_ops"] = s.recomputed_ops;
         d["cache_hits"] = s.cache_hits;
         return d;
+      })
+      .def("op_summary", [](const SelectiveCheckpoint& self) {
+        std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
+        for (const auto& s : self.cache->summary()) {
+          rows.emplace_back(s.op, s.saved, s.dropped, s.recomputed);
+        }
+        return rows;
       });
 
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);

@@ -4,6 +4,7 @@
 
 #include <array>
 
+#include "csrc/core/op_name.h"
 #include "policies/builtin_policies.h"
 #include "python_call_view.h"
 #include "python_key_adapter.h"
@@ -23,11 +24,6 @@ struct PolicyEnums {
 PolicyEnums& policy_enums() {
   static auto* enums = new PolicyEnums();
   return *enums;
-}
-
-std::string op_display_name(const c10::OperatorHandle& op) {
-  const auto& name = op.operator_name();
-  return name.name + "." + (name.overload_name.empty() ? "default" : name.overload_name);
 }
 
 Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
