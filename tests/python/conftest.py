@@ -1,0 +1,344 @@
+"""Shared helpers and fixtures for the torch_sac Python tests.
+
+The suite runs once per interception adapter (scripts/run_tests.sh sets
+TORCH_SAC_ADAPTER); nothing here assumes a particular adapter.
+"""
+
+import collections
+import os
+import sys
+
+import pytest
+import torch
+import torch.utils.checkpoint as tc
+from torch.utils.checkpoint import CheckpointPolicy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+try:
+    import torch_sac  # noqa: F401
+except ImportError:  # running from elsewhere without an installed package
+    sys.path.insert(0, REPO_ROOT)
+    import torch_sac  # noqa: F401
+
+from models import MODEL_BUILDERS, Stack  # noqa: E402
+
+aten = torch.ops.aten
+
+SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+# A fixed seed for the global RNG before every run (dropout masks) and a fixed
+# generator for the loss weights.
+RUN_SEED = 0
+LOSS_SEED = 7
+
+
+# --------------------------------------------------------------------------
+# Policy helpers
+# --------------------------------------------------------------------------
+
+def is_save(decision):
+    """Normalise any accepted policy return value to 'save?' (True/False)."""
+    if isinstance(decision, bool):
+        return decision
+    if isinstance(decision, CheckpointPolicy):
+        return decision in SAVE_POLICIES
+    if isinstance(decision, torch_sac.Policy):
+        return decision in (torch_sac.Policy.MUST_SAVE, torch_sac.Policy.PREFER_SAVE)
+    raise AssertionError(f"unexpected policy value {decision!r}")
+
+
+def not_ignored(ops):
+    return [op for op in ops if op not in torch_sac.IGNORED_OPS]
+
+
+class RecordingPolicy:
+    """Wraps a policy callable and records ``(op, decision)`` per call.
+
+    Also checks the contract: the policy is never called during recompute and
+    ``ctx.op_output`` is populated.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+        self.recompute_calls = 0
+        self.missing_output = 0
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if ctx.is_recompute:
+            self.recompute_calls += 1
+        if getattr(ctx, "op_output", None) is None:
+            self.missing_output += 1
+        decision = self.inner(ctx, op, *args, **kwargs)
+        self.calls.append((op, decision))
+        return decision
+
+    @property
+    def ops(self):
+        return [op for op, _ in self.calls]
+
+    def normalised(self):
+        """(op, saved?) pairs, independent of the enum/bool flavour."""
+        return [(op, is_save(d)) for op, d in self.calls]
+
+    @property
+    def n_saved(self):
+        return sum(is_save(d) for _, d in self.calls)
+
+
+def list_policy_fn(ops):
+    """PyTorch's own expansion of a list of ops into a callable."""
+    ops = list(ops)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def save_all_fn(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+def recompute_all_fn(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def mixed_policy_fn(ctx, op, *args, **kwargs):
+    """A 'real' Python policy returning a mix of enum values and bools."""
+    if op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    if op is aten.convolution.default:
+        return CheckpointPolicy.PREFER_SAVE
+    if op is aten._softmax.default:
+        return True
+    if op is aten.gelu.default:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return False
+
+
+_MATMUL_NAMES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def is_matmul_op(op):
+    """What torch_sac.policies.save_matmuls() is documented to save."""
+    name = op.name()
+    if name in _MATMUL_NAMES:
+        return True
+    if name.startswith("aten::") and "convolution" in name and "backward" not in name:
+        return True
+    if name.startswith("aten::") and "scaled_dot_product" in name and "backward" not in name:
+        return True
+    return False
+
+
+def save_matmuls_fn(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if is_matmul_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def make_every_nth_fn(ops, n):
+    """Stateful equivalent of torch_sac.policies.every_nth for PyTorch's SAC.
+
+    Must be created fresh for every region (PyTorch 2.13 calls the policy
+    only in forward, so counting calls is correct there).
+    """
+    ops = list(ops)
+    counts = collections.Counter()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op not in ops:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        idx = counts[op]
+        counts[op] += 1
+        return CheckpointPolicy.MUST_SAVE if idx % n == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+# --------------------------------------------------------------------------
+# Context factories
+# --------------------------------------------------------------------------
+
+class CountingCachedMode(tc._CachedTorchDispatchMode):
+    """PyTorch's recompute mode, counting cache hits and re-run ops."""
+
+    def __init__(self, storage, allow_cache_entry_mutation=False):
+        super().__init__(None, storage, allow_cache_entry_mutation)
+        self.hits = 0
+        self.recomputed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in tc.SAC_IGNORED_OPS and func not in torch_sac.IGNORED_OPS:
+            entries = self.storage.get(func)
+            idx = self.func_counter[func]
+            entry = None if entries is None else entries.get(idx)
+            if entry is tc._RECOMPUTE:
+                self.recomputed += 1
+            elif entry is not None and entry is not tc._CONSUMED:
+                self.hits += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class ContextRecorder:
+    """Collects the (forward_ctx, recompute_ctx) pairs a context_fn created."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def stats(self):
+        """Summed stats over all regions: forward counters from the forward
+        contexts, recompute counters from the recompute contexts."""
+        total = collections.Counter()
+        for fwd, rec in self.pairs:
+            fs, rs = fwd.stats(), rec.stats()
+            for k in ("policy_calls", "saved_ops", "saved_bytes"):
+                total[k] += fs[k]
+            for k in ("recomputed_ops", "cache_hits"):
+                total[k] += rs[k]
+        return dict(total)
+
+
+def sac_context_fn(policy_factory, allow_cache_entry_mutation=False, recorder=None):
+    """A context_fn building torch_sac contexts; ``policy_factory()`` is called
+    once per region so stateful policies start fresh."""
+
+    def context_fn():
+        pair = torch_sac.create_selective_checkpoint_contexts(
+            policy_factory(), allow_cache_entry_mutation=allow_cache_entry_mutation
+        )
+        if recorder is not None:
+            recorder.pairs.append(pair)
+        return pair
+
+    return context_fn
+
+
+def torch_context_fn(policy_factory, allow_cache_entry_mutation=False, recorder=None):
+    """Same for PyTorch's own SAC; the recompute mode counts hits/recomputes."""
+
+    def context_fn():
+        fwd, rec = tc.create_selective_checkpoint_contexts(
+            policy_factory(), allow_cache_entry_mutation=allow_cache_entry_mutation
+        )
+        rec = CountingCachedMode(fwd.storage, allow_cache_entry_mutation)
+        if recorder is not None:
+            recorder.pairs.append((fwd, rec))
+        return fwd, rec
+
+    return context_fn
+
+
+# --------------------------------------------------------------------------
+# Running models
+# --------------------------------------------------------------------------
+
+RunResult = collections.namedtuple("RunResult", "out param_grads input_grad buffers")
+
+
+def forward(module, x, context_fn=None):
+    """Forward through ``module``; with a context_fn, checkpoint it
+    (non-reentrant), one region per block for a :class:`Stack`."""
+    if context_fn is None:
+        return module(x)
+    if isinstance(module, Stack):
+        h = x
+        for block in module:
+            h = tc.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+        return h
+    return tc.checkpoint(module, x, use_reentrant=False, context_fn=context_fn)
+
+
+def loss_of(out):
+    g = torch.Generator().manual_seed(LOSS_SEED)
+    w = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return (out * w).sum()
+
+
+def run_model(builder, context_fn=None, seed=RUN_SEED, forward_fn=None):
+    """Build a fresh model, run forward (+checkpoint) and backward with a fixed
+    RNG seed. Returns output, param grads, input grad and buffers (BN stats)."""
+    if isinstance(builder, str):
+        builder = MODEL_BUILDERS[builder]
+    module, make_input = builder()
+    x = make_input()
+    torch.manual_seed(seed)
+    if forward_fn is None:
+        out = forward(module, x, context_fn)
+    else:
+        out = forward_fn(module, x, context_fn)
+    loss_of(out).backward()
+    return RunResult(
+        out=out.detach().clone(),
+        param_grads={n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        input_grad=None if x.grad is None else x.grad.clone(),
+        buffers={n: b.clone() for n, b in module.named_buffers()},
+    )
+
+
+def assert_tensors_equal(a, b, what):
+    assert a is not None and b is not None, f"{what}: missing tensor ({a is None}, {b is None})"
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    if not torch.equal(a, b):
+        diff = (a.double() - b.double()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:.3g})")
+
+
+def assert_grads_equal(res, ref, label):
+    """Bitwise equality of output, every parameter grad and the input grad."""
+    assert_tensors_equal(res.out, ref.out, f"{label}: output")
+    assert res.param_grads.keys() == ref.param_grads.keys()
+    for name in ref.param_grads:
+        assert_tensors_equal(res.param_grads[name], ref.param_grads[name], f"{label}: grad of {name}")
+    assert_tensors_equal(res.input_grad, ref.input_grad, f"{label}: input grad")
+
+
+def assert_buffers_equal(res, ref, label):
+    assert res.buffers.keys() == ref.buffers.keys()
+    for name in ref.buffers:
+        assert_tensors_equal(res.buffers[name], ref.buffers[name], f"{label}: buffer {name}")
+
+
+# --------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------
+
+def _dispatch_state():
+    return (
+        torch._C._len_torch_dispatch_stack(),
+        str(torch._C._dispatch_tls_local_include_set()),
+        str(torch._C._dispatch_tls_local_exclude_set()),
+        torch.is_grad_enabled(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_interceptor():
+    """Every test must leave no dispatch mode / TLS key behind."""
+    before = _dispatch_state()
+    yield
+    after = _dispatch_state()
+    assert after == before, f"dispatch state leaked by the test: {before} -> {after}"
+
+
+@pytest.fixture(params=sorted(MODEL_BUILDERS), ids=sorted(MODEL_BUILDERS))
+def model_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def reference_results():
+    """Un-checkpointed reference results, computed once per model."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = run_model(MODEL_BUILDERS[name])
+        return cache[name]
+
+    return get
+
