@@ -64,6 +64,9 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
     return PyObject_Call(func, args, kwargs == Py_None ? nullptr : kwargs);
   }
   const c10::OperatorHandle& op = *resolved.op;
+  // Python numbers in Tensor slots (`x * 0.5`, `t.add_(1)`) become wrapped
+  // numbers, as when torch itself calls an OpOverload from Python.
+  torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(true);
   torch::jit::Stack stack = torch::jit::createStackForSchema(
       op.schema(),
       py::reinterpret_borrow<py::tuple>(args),
