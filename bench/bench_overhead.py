@@ -43,13 +43,6 @@ with a counting mode used as context_fn; torch_sac's ``stats()`` are reported
 alongside as a cross-check: they count the same ops minus the SAC-ignored
 metadata/detach ops).
 
-Note: the workloads avoid Python-scalar operands (``x * 1.01``): with
-``TORCH_SAC_ADAPTER=python`` such ops currently fail inside the checkpointed
-region ("aten::mul() Expected a value of type 'Tensor' for argument 'other' but
-instead found type 'float'"), because the C ``__torch_dispatch__`` builds the
-argument stack with ``createStackForSchema`` from the Python scalar torch hands
-to dispatch modes. Constants are tensors instead; the op count is the same.
-
 Usage::
 
     python bench/bench_overhead.py                 # both adapters, ~2 min
@@ -105,18 +98,12 @@ def build_workloads(torch, n_chain):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    # Constant operands are tensors, not Python scalars: torch_sac's python
-    # adapter currently rejects tensor-scalar ops such as ``x * 1.01`` (see the
-    # module docstring), and both adapters must run the same workload.
-    scale = torch.full((16,), 1.01)
-    shift = torch.full((16,), 0.1)
-
     # (a) elementwise chain: n_chain ops on a 16-element tensor.
     def chain(x):
         for i in range(n_chain // 4):
             x = torch.sin(x)
-            x = torch.mul(x, scale)
-            x = torch.add(x, shift)
+            x = x * 1.01
+            x = x + 0.1
             x = torch.tanh(x)
         for _ in range(n_chain % 4):
             x = torch.cos(x)
@@ -139,10 +126,7 @@ def build_workloads(torch, n_chain):
             self.register_buffer(
                 "mask", torch.ones(max_len, max_len, dtype=torch.bool).triu(1), persistent=False
             )
-            # A 0-dim tensor, not a Python float (see the chain workload).
-            self.register_buffer(
-                "scale", torch.tensor(1.0 / math.sqrt(d // n_head)), persistent=False
-            )
+            self.scale = 1.0 / math.sqrt(d // n_head)
 
         def forward(self, x):
             B, T, C = x.shape
@@ -151,7 +135,7 @@ def build_workloads(torch, n_chain):
             q = q.view(B, T, H, D).transpose(1, 2)
             k = k.view(B, T, H, D).transpose(1, 2)
             v = v.view(B, T, H, D).transpose(1, 2)
-            att = torch.mul(q @ k.transpose(-2, -1), self.scale)
+            att = (q @ k.transpose(-2, -1)) * self.scale
             att = att.masked_fill(self.mask[:T, :T], float("-inf")).softmax(dim=-1)
             y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
             x = x + self.proj(y)

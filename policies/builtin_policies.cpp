@@ -15,6 +15,9 @@ class ConstantPolicy final : public OpPolicy {
   Policy decide(const OpCall&) override {
     return decision_;
   }
+  bool needs_values() const override {
+    return false;
+  }
   std::string describe() const override {
     return decision_ == Policy::PreferSave ? "save_all()" : "recompute_all()";
   }
@@ -30,6 +33,9 @@ class SaveOpsPolicy final : public OpPolicy {
   Policy decide(const OpCall& call) override {
     return matcher_.matches(call.op.operator_name()) ? Policy::MustSave
                                                      : Policy::PreferRecompute;
+  }
+  bool needs_values() const override {
+    return false;
   }
   std::string describe() const override {
     return label_.empty() ? "save_ops(" + matcher_.describe() + ")" : label_;
@@ -48,6 +54,9 @@ class EveryNthPolicy final : public OpPolicy {
     const bool save =
         matcher_.matches(call.op.operator_name()) && call.call_index % n_ == 0;
     return save ? Policy::MustSave : Policy::PreferRecompute;
+  }
+  bool needs_values() const override {
+    return false;
   }
   std::string describe() const override {
     return "every_nth(" + matcher_.describe() + ", n=" + std::to_string(n_) + ")";

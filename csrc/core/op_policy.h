@@ -30,6 +30,11 @@ class OpPolicy {
   // Called once per intercepted op in forward, never during recompute.
   virtual Policy decide(const OpCall& call) = 0;
   virtual std::string describe() const = 0;
+  // False when decide() looks at nothing but the op and the call index: the
+  // caller may then pass empty inputs and skip copying them.
+  virtual bool needs_values() const {
+    return true;
+  }
 };
 
 } // namespace torch_sac

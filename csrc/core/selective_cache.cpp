@@ -52,6 +52,25 @@ c10::IValue map_tensors(const c10::IValue& value, Fn&& fn) {
   return value;
 }
 
+// PyTorch's SAC hands back a cached tensor of non-differentiable dtype that no
+// return of the op aliases as the very same object; everything else as a
+// fresh detached alias.
+at::Tensor cacheable(const at::Tensor& t, bool op_returns_alias) {
+  if (!t.defined() || op_returns_alias || t.is_floating_point() || t.is_complex()) {
+    return detached_alias(t);
+  }
+  return t;
+}
+
+bool returns_alias(const c10::OperatorHandle& op) {
+  for (const auto& ret : op.schema().returns()) {
+    if (ret.alias_info()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 template <typename Fn>
 void for_each_tensor(const c10::IValue& value, Fn&& fn) {
   if (value.isTensor()) {
@@ -81,26 +100,34 @@ void CachingHandler::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* adapter_view) {
-  if (recording_disabled() || is_ignored_op(op.operator_name())) {
+  if (recording_disabled()) {
+    run(stack);
+    return;
+  }
+  SelectiveCache::OpRecord& record = cache_->record_for(op);
+  if (record.ignored) {
     run(stack);
     return;
   }
   const size_t num_args = op.schema().arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
-  // The policy may look at the inputs after the op ran (torch calls it with
-  // op_output), so keep them; in-place ops return their input anyway.
-  std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  // A policy that looks at the inputs sees them after the op ran (torch calls
+  // it with op_output), so keep them; in-place ops return their input anyway.
+  std::vector<c10::IValue> inputs;
+  if (policy_->needs_values()) {
+    inputs.assign(stack->end() - num_args, stack->end());
+  }
   run(stack);
   const size_t num_returns = op.schema().returns().size();
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
 
-  const int64_t call_index = call_counts_[op]++;
+  const int64_t call_index = record.forward_calls++;
   const Policy decision =
       policy_->decide(OpCall{op, inputs, outputs, call_index, adapter_view});
   auto& stats = cache_->stats();
   ++stats.policy_calls;
 
-  auto& entries = cache_->entries_for(op);
+  auto& entries = record.entries;
   if (entries.size() <= static_cast<size_t>(call_index)) {
     entries.resize(call_index + 1);
   }
@@ -111,11 +138,12 @@ void CachingHandler::handle(
   }
   entry.state = SelectiveCache::EntryState::Cached;
   entry.outputs.reserve(num_returns);
+  const bool op_returns_alias = returns_alias(op);
   for (const c10::IValue& out : outputs) {
     entry.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
       entry.versions.push_back(t.defined() ? t._version() : 0);
       stats.saved_bytes += tensor_bytes(t);
-      return detached_alias(t);
+      return cacheable(t, op_returns_alias);
     }));
   }
   ++stats.saved_ops;
@@ -134,12 +162,17 @@ void CachedHandler::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* /*adapter_view*/) {
-  if (recording_disabled() || is_ignored_op(op.operator_name())) {
+  if (recording_disabled()) {
     run(stack);
     return;
   }
-  const int64_t call_index = call_counts_[op]++;
-  auto& entries = cache_->entries_for(op);
+  SelectiveCache::OpRecord& record = cache_->record_for(op);
+  if (record.ignored) {
+    run(stack);
+    return;
+  }
+  const int64_t call_index = record.recompute_calls++;
+  auto& entries = record.entries;
   TORCH_CHECK(
       static_cast<size_t>(call_index) < entries.size(),
       "torch_sac: ", op_display_name(op), " (call ", call_index,
@@ -151,7 +184,8 @@ void CachedHandler::handle(
   switch (entry.state) {
     case SelectiveCache::EntryState::Recompute:
       run(stack);
-      cache_->count_recompute(op);
+      ++record.recomputed;
+      ++stats.recomputed_ops;
       return;
     case SelectiveCache::EntryState::Consumed:
       TORCH_CHECK(
@@ -190,16 +224,34 @@ void CachedHandler::handle(
   ++stats.cache_hits;
 }
 
+SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
+  auto [it, inserted] = records_.try_emplace(op);
+  if (inserted) {
+    it->second.ignored = is_ignored_op(op.operator_name());
+    first_seen_order_.push_back(op);
+  }
+  return it->second;
+}
+
+void SelectiveCache::reset_recompute_calls() {
+  for (auto& [op, record] : records_) {
+    record.recompute_calls = 0;
+  }
+}
+
 std::vector<OpSummary> SelectiveCache::summary() const {
   std::vector<OpSummary> out;
   out.reserve(first_seen_order_.size());
   for (const auto& op : first_seen_order_) {
+    const OpRecord& record = records_.at(op);
+    if (record.ignored) {
+      continue;
+    }
     OpSummary s{op_display_name(op)};
-    for (const Entry& e : entries_.at(op)) {
+    for (const Entry& e : record.entries) {
       (e.state == EntryState::Recompute ? s.dropped : s.saved) += 1;
     }
-    auto it = recomputed_.find(op);
-    s.recomputed = it == recomputed_.end() ? 0 : it->second;
+    s.recomputed = record.recomputed;
     out.push_back(std::move(s));
   }
   return out;

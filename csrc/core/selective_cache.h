@@ -40,35 +40,36 @@ class SelectiveCache {
 
   struct Entry {
     EntryState state = EntryState::Recompute;
-    // Outputs with every tensor replaced by a detached alias sharing its
-    // storage and version counter.
+    // Outputs as recompute hands them back: floating-point/complex tensors and
+    // outputs of aliasing ops are replaced by detached aliases sharing storage
+    // and version counter; other tensors are kept as they are (PyTorch gives
+    // those back as the same object).
     std::vector<c10::IValue> outputs;
     // Version of each cached tensor at caching time, in outputs order.
     std::vector<uint32_t> versions;
   };
 
-  // Entries per op overload, indexed by call index.
-  std::vector<Entry>& entries_for(const c10::OperatorHandle& op) {
-    auto [it, inserted] = entries_.try_emplace(op);
-    if (inserted) {
-      first_seen_order_.push_back(op);
-    }
-    return it->second;
-  }
+  // Everything the region knows about one op overload, found with a single
+  // hash lookup per intercepted op.
+  struct OpRecord {
+    bool ignored = false;           // in the ignored set: never cached
+    std::vector<Entry> entries;     // indexed by forward call index
+    int64_t forward_calls = 0;      // call counter of the caching handler
+    int64_t recompute_calls = 0;    // call counter of the cached handler
+    int64_t recomputed = 0;         // calls re-run during recompute
+  };
+
+  OpRecord& record_for(const c10::OperatorHandle& op);
+  void reset_recompute_calls();
   SelectiveCacheStats& stats() {
     return stats_;
   }
-  void count_recompute(const c10::OperatorHandle& op) {
-    ++stats_.recomputed_ops;
-    ++recomputed_[op];
-  }
-  // Per-op counts, in the order ops were first seen.
+  // Per-op counts (ignored ops left out), in the order ops were first seen.
   std::vector<OpSummary> summary() const;
 
  private:
-  std::unordered_map<c10::OperatorHandle, std::vector<Entry>> entries_;
+  std::unordered_map<c10::OperatorHandle, OpRecord> records_;
   std::vector<c10::OperatorHandle> first_seen_order_;
-  std::unordered_map<c10::OperatorHandle, int64_t> recomputed_;
   SelectiveCacheStats stats_;
 };
 
@@ -86,7 +87,6 @@ class CachingHandler final : public OpHandler {
  private:
   std::shared_ptr<SelectiveCache> cache_;
   std::shared_ptr<OpPolicy> policy_;
-  std::unordered_map<c10::OperatorHandle, int64_t> call_counts_;
 };
 
 class CachedHandler final : public OpHandler {
@@ -101,13 +101,12 @@ class CachedHandler final : public OpHandler {
       const void* adapter_view) override;
   // Recompute restarts counting at call 0 each time it is entered.
   void reset_call_counts() {
-    call_counts_.clear();
+    cache_->reset_recompute_calls();
   }
 
  private:
   std::shared_ptr<SelectiveCache> cache_;
   bool allow_cache_entry_mutation_;
-  std::unordered_map<c10::OperatorHandle, int64_t> call_counts_;
 };
 
 // The pair of handlers create_selective_checkpoint_contexts returns, sharing

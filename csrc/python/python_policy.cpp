@@ -114,10 +114,8 @@ class PythonPolicy final : public OpPolicy {
       op = overload_for(call.op);
       std::tie(args, kwargs) = args_kwargs_from_stack(call.op, call.inputs);
     }
-    py::object ctx = context_class()(
-        py::arg("is_recompute") = false,
-        py::arg("op_output") = torch::jit::createPyObjectForStack(
-            torch::jit::Stack(call.outputs.begin(), call.outputs.end())));
+    py::object ctx = make_context(torch::jit::createPyObjectForStack(
+        torch::jit::Stack(call.outputs.begin(), call.outputs.end())));
     // fn(ctx, op, *args, **kwargs) without building an intermediate list.
     py::tuple call_args(args.size() + 2);
     call_args[0] = ctx;
@@ -139,11 +137,23 @@ class PythonPolicy final : public OpPolicy {
   }
 
  private:
-  static py::object& context_class() {
+  // torch's SelectiveCheckpointContext(is_recompute=False, op_output=...),
+  // built without running its Python __init__ (one object per op call).
+  static py::object make_context(py::object op_output) {
     static auto* cls = new py::object(
         py::module_::import("torch.utils.checkpoint")
             .attr("SelectiveCheckpointContext"));
-    return *cls;
+    static auto* is_recompute = new py::str("is_recompute");
+    static auto* op_output_name = new py::str("op_output");
+    auto* type = reinterpret_cast<PyTypeObject*>(cls->ptr());
+    py::tuple no_args;
+    auto ctx = py::reinterpret_steal<py::object>(type->tp_new(type, no_args.ptr(), nullptr));
+    if (!ctx ||
+        PyObject_SetAttr(ctx.ptr(), is_recompute->ptr(), Py_False) != 0 ||
+        PyObject_SetAttr(ctx.ptr(), op_output_name->ptr(), op_output.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    return ctx;
   }
 
   py::object fn_;
