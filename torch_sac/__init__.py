@@ -11,13 +11,16 @@ from . import _C, policies
 from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
+from .region import checkpoint, sac_context
 
 __all__ = [
     "IGNORED_OPS",
     "Policy",
     "adapter",
+    "checkpoint",
     "create_selective_checkpoint_contexts",
     "policies",
+    "sac_context",
 ]
 
 

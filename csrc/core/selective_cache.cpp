@@ -4,52 +4,16 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
+#include "detached_alias.h"
 #include "ignored_ops.h"
+#include "ivalue_tensors.h"
 #include "op_name.h"
 
 namespace torch_sac {
 namespace {
 
-// An alias of `t` with no autograd metadata that shares its storage and
-// version counter: autograd can set up views on it when it is handed back,
-// the cache holds no reference to the graph, and mutations stay visible
-// through the version counter.
-at::Tensor detached_alias(const at::Tensor& t) {
-  if (!t.defined()) {
-    return t;
-  }
-  auto* impl = t.unsafeGetTensorImpl();
-  return at::Tensor(impl->shallow_copy_and_detach(
-      /*version_counter=*/impl->version_counter(),
-      /*allow_tensor_metadata_change=*/false));
-}
-
 int64_t tensor_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0;
-}
-
-// Applies `fn` to every tensor an output holds (Tensor, Tensor[], Tensor?[]),
-// returning the output with the tensors replaced.
-template <typename Fn>
-c10::IValue map_tensors(const c10::IValue& value, Fn&& fn) {
-  if (value.isTensor()) {
-    return fn(value.toTensor());
-  }
-  if (value.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : value.toTensorList()) {
-      out.push_back(fn(t));
-    }
-    return out;
-  }
-  if (value.isList()) {
-    c10::impl::GenericList out(value.toList().elementType());
-    for (const c10::IValue& v : value.toListRef()) {
-      out.push_back(map_tensors(v, fn));
-    }
-    return out;
-  }
-  return value;
 }
 
 // PyTorch's SAC hands back a cached tensor of non-differentiable dtype that no
@@ -69,17 +33,6 @@ bool returns_alias(const c10::OperatorHandle& op) {
     }
   }
   return false;
-}
-
-template <typename Fn>
-void for_each_tensor(const c10::IValue& value, Fn&& fn) {
-  if (value.isTensor()) {
-    fn(value.toTensor());
-  } else if (value.isList()) {
-    for (const c10::IValue& v : value.toListRef()) {
-      for_each_tensor(v, fn);
-    }
-  }
 }
 
 } // namespace

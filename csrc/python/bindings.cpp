@@ -4,9 +4,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/interceptor.h"
+#include "csrc/core/region/region.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
 #include "python_key_adapter.h"
@@ -58,6 +60,40 @@ PYBIND11_MODULE(_C, m) {
         }
         return rows;
       });
+
+  // The region engine (sac_context).
+  py::class_<region::SavedActivation>(m, "SavedActivation");
+  py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
+      .def(py::init<std::shared_ptr<OpPolicy>, bool>(), py::arg("policy"),
+           py::arg("allow_cache_entry_mutation"))
+      .def("push_policy", &region::Region::push_policy)
+      .def("pop_policy", &region::Region::pop_policy)
+      .def("close", &region::Region::close)
+      .def("pack", &region::Region::pack)
+      .def("stats", [](const region::Region& self) {
+        const region::RegionStats s = self.stats();
+        py::dict d;
+        d["policy_calls"] = s.policy_calls;
+        d["saved_ops"] = s.saved_ops;
+        d["saved_bytes"] = s.saved_bytes;
+        d["dropped_ops"] = s.dropped_ops;
+        d["dropped_bytes"] = s.dropped_bytes;
+        d["held_bytes"] = s.held_bytes;
+        d["packed_kept"] = s.packed_kept;
+        d["packed_dropped"] = s.packed_dropped;
+        d["unpacked_original"] = s.unpacked_original;
+        d["replayed_ops"] = s.replayed_ops;
+        d["replay_ns"] = s.replay_ns;
+        return d;
+      })
+      .def("op_summary", [](const region::Region& self) {
+        std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
+        for (const auto& s : self.op_summary()) {
+          rows.emplace_back(s.op, s.saved, s.dropped, s.replayed);
+        }
+        return rows;
+      });
+  m.def("unpack_saved", &region::unpack, py::call_guard<py::gil_scoped_release>());
 
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);
   m.def("install_key_adapter", &install_key_adapter);

@@ -1,0 +1,339 @@
+#include "region.h"
+
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+
+#include "csrc/core/detached_alias.h"
+#include "csrc/core/ignored_ops.h"
+#include "csrc/core/ivalue_tensors.h"
+#include "csrc/core/op_name.h"
+#include "written_args.h"
+
+namespace torch_sac::region {
+namespace {
+
+bool recording_disabled() {
+  return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
+}
+
+uint32_t version_of(const at::Tensor& t) {
+  const auto& counter = t.unsafeGetTensorImpl()->version_counter();
+  return counter.enabled() ? counter.current_version() : 0;
+}
+
+void check_supported(const at::Tensor& t, const std::string& op_name) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !t.key_set().has(c10::DispatchKey::Python),
+      "torch_sac: ", op_name, " got a tensor subclass with __torch_dispatch__ "
+      "inside a sac_context region; the region engine records ops on plain "
+      "tensors only. Move the subclass out of the region, or use "
+      "torch.utils.checkpoint with torch_sac.create_selective_checkpoint_contexts.");
+}
+
+} // namespace
+
+Region::Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation)
+    : allow_cache_entry_mutation_(allow_cache_entry_mutation) {
+  TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
+  policies_.push_back(std::move(policy));
+}
+
+void Region::push_policy(std::shared_ptr<OpPolicy> policy) {
+  TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
+  std::lock_guard<std::mutex> lock(mutex_);
+  policies_.push_back(std::move(policy));
+}
+
+void Region::pop_policy() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(policies_.size() > 1, "torch_sac: pop_policy without a nested region");
+  policies_.pop_back();
+}
+
+void Region::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  open_ = false;
+}
+
+Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) {
+  auto [it, inserted] = op_index_.try_emplace(op, static_cast<int32_t>(ops_.size()));
+  if (inserted) {
+    OpInfo info;
+    info.name = op_display_name(op);
+    info.ignored = is_ignored_op(op.operator_name());
+    info.written_args = written_args(op);
+    ops_.push_back(std::move(info));
+  }
+  *index = it->second;
+  return ops_[it->second];
+}
+
+Policy Region::decide(const OpCall& call, const std::string& op_name) {
+  Policy decision = policies_.front()->decide(call);
+  for (size_t i = 1; i < policies_.size(); ++i) {
+    decision = combine_policies(decision, policies_[i]->decide(call), op_name);
+  }
+  return decision;
+}
+
+int32_t Region::find_storage(const at::Tensor& t) const {
+  if (!t.defined() || !t.has_storage()) {
+    return -1;
+  }
+  auto it = storage_index_.find(t.storage().unsafeGetStorageImpl());
+  return it == storage_index_.end() ? -1 : it->second;
+}
+
+int32_t Region::track_storage(
+    const at::Tensor& t,
+    int32_t producer,
+    int32_t output,
+    bool replayable) {
+  const auto& storage = t.storage();
+  StorageRecord record{
+      c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl()),
+      t.unsafeGetTensorImpl()->version_counter()};
+  record.producer = producer;
+  record.producer_output = output;
+  record.replayable = replayable;
+  record.last_version = version_of(t);
+  const auto index = static_cast<int32_t>(storages_.size());
+  storages_.push_back(std::move(record));
+  storage_index_[storage.unsafeGetStorageImpl()] = index;
+  return index;
+}
+
+// A write the tape did not see (under no_grad, or through .data) changes the
+// version without changing the recorded state: replaying would miss it, so
+// the storage is no longer dropped.
+void Region::observe(int32_t storage, const at::Tensor& t) {
+  StorageRecord& record = storages_[storage];
+  const uint32_t version = version_of(t);
+  if (record.last_version != kUnknownVersion && record.last_version != version) {
+    record.replayable = false;
+  }
+  record.last_version = version;
+}
+
+void Region::record_args(
+    Entry& entry,
+    c10::ArrayRef<c10::IValue> inputs,
+    const std::vector<c10::IValue>& overwritten) {
+  // Records a slot for `t` and returns the placeholder left in the argument.
+  auto slot_for = [&](const at::Tensor& t, size_t arg, int32_t element) {
+    if (!t.defined()) {
+      return t;
+    }
+    ArgSlot slot;
+    slot.arg = static_cast<uint32_t>(arg);
+    slot.element = element;
+    const int32_t storage = find_storage(t);
+    if (storage >= 0 && storages_[storage].replayable) {
+      slot.storage = storage;
+      slot.state = static_cast<int32_t>(storages_[storage].mutations.size());
+      slot.geometry = TensorGeometry::of(t);
+    } else {
+      slot.held = detached_alias(t);
+      slot.version = version_of(t);
+    }
+    entry.slots.push_back(std::move(slot));
+    return at::Tensor();
+  };
+  entry.args.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const c10::IValue& v = inputs[i];
+    if (!overwritten[i].isNone()) {
+      entry.args.push_back(overwritten[i]);
+    } else if (v.isTensor()) {
+      entry.args.push_back(slot_for(v.toTensor(), i, -1));
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> list;
+      int32_t k = 0;
+      for (const at::Tensor& t : v.toTensorList()) {
+        list.push_back(slot_for(t, i, k++));
+      }
+      entry.args.push_back(std::move(list));
+    } else if (v.isList()) {  // Tensor?[] (index, index_put) and non-tensor lists
+      c10::impl::GenericList list(v.toList().elementType());
+      int32_t k = 0;
+      for (const c10::IValue& e : v.toListRef()) {
+        list.push_back(e.isTensor() ? c10::IValue(slot_for(e.toTensor(), i, k)) : e);
+        ++k;
+      }
+      entry.args.push_back(std::move(list));
+    } else {
+      entry.args.push_back(v);
+    }
+  }
+}
+
+void Region::handle(
+    const c10::OperatorHandle& op,
+    torch::jit::Stack* stack,
+    RunOp run,
+    const void* adapter_view) {
+  if (recording_disabled()) {
+    run(stack);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  int32_t op_index = 0;
+  OpInfo& info = info_for(op, &op_index);
+  if (!open_ || info.ignored) {
+    lock.unlock();
+    run(stack);
+    return;
+  }
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  for (const c10::IValue& v : inputs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        check_supported(t, info.name);
+        const int32_t s = find_storage(t);
+        if (s >= 0) {
+          observe(s, t);
+        }
+      }
+    });
+  }
+  // Tensors from outside the region that this op overwrites: a replay gets
+  // a copy of their value from before the op instead (BatchNorm's running
+  // statistics are updated exactly once).
+  std::vector<c10::IValue> overwritten(num_args);
+  std::vector<int32_t> written_storages;
+  for (size_t i : info.written_args) {
+    if (!inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
+      continue;
+    }
+    const at::Tensor& t = inputs[i].toTensor();
+    const int32_t s = find_storage(t);
+    if (s >= 0) {
+      written_storages.push_back(s);
+    } else {
+      c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
+      overwritten[i] = t.clone();
+    }
+  }
+  std::optional<RngSnapshot> rng = RngSnapshot::capture(op, inputs);
+  const std::string& op_name = info.name;
+
+  lock.unlock();
+  run(stack);
+  const size_t num_returns = schema.returns().size();
+  c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+  const int64_t call_index = ops_[op_index].calls;  // stable: only this thread records
+  const Policy decision = decide(OpCall{op, inputs, outputs, call_index, adapter_view}, op_name);
+  lock.lock();
+
+  OpInfo& op_info = ops_[op_index];
+  ++op_info.calls;
+  ++stats_.policy_calls;
+  const bool save = is_save(decision);
+  const auto entry_index = static_cast<int32_t>(entries_.size());
+  Entry entry{op, op_index};
+
+  bool produced = false;
+  int32_t output_position = 0;
+  int64_t new_bytes = 0;
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      const int32_t position = output_position++;
+      if (!t.defined() || !t.has_storage() || find_storage(t) >= 0) {
+        return;
+      }
+      // A tensor from outside that the op merely returns is not produced here.
+      for (const c10::IValue& in : inputs) {
+        bool alias = false;
+        for_each_tensor(in, [&](const at::Tensor& a) {
+          alias = alias || (a.defined() && a.has_storage() && a.storage().is_alias_of(t.storage()));
+        });
+        if (alias) {
+          return;
+        }
+      }
+      entry.produced.emplace_back(position, track_storage(t, entry_index, position, !save));
+      new_bytes += static_cast<int64_t>(t.storage().nbytes());
+      produced = true;
+    });
+  }
+  bool writes_replayable = false;
+  for (int32_t s : written_storages) {
+    writes_replayable = writes_replayable || storages_[s].replayable;
+  }
+  if (produced) {
+    if (save) {
+      ++stats_.saved_ops;
+      stats_.saved_bytes += new_bytes;
+      ++op_info.saved;
+    } else {
+      ++stats_.dropped_ops;
+      stats_.dropped_bytes += new_bytes;
+      ++op_info.dropped;
+    }
+  }
+  entry.replayable = (produced && !save) || writes_replayable;
+  if (entry.replayable) {
+    for (size_t i = 0; i < overwritten.size(); ++i) {
+      if (overwritten[i].isTensor()) {
+        entry.scratch_args.push_back(static_cast<uint32_t>(i));
+        stats_.held_bytes += static_cast<int64_t>(overwritten[i].toTensor().storage().nbytes());
+      }
+    }
+    // Before the writes below: the arguments refer to the state this op saw.
+    record_args(entry, inputs, overwritten);
+    entry.rng = std::move(rng);
+  }
+  for (int32_t s : written_storages) {
+    storages_[s].mutations.push_back(entry_index);
+    storages_[s].last_version = kUnknownVersion;
+  }
+  entries_.push_back(std::move(entry));
+}
+
+SavedActivation Region::pack(const at::Tensor& t) {
+  SavedActivation saved;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int32_t s = t.defined() ? find_storage(t) : -1;
+  if (s >= 0) {
+    observe(s, t);
+  }
+  if (t.defined()) {
+    saved.version = version_of(t);
+    saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
+  }
+  if (s < 0 || !storages_[s].replayable) {
+    saved.kept = detached_alias(t);
+    ++stats_.packed_kept;
+    return saved;
+  }
+  StorageRecord& record = storages_[s];
+  saved.region = shared_from_this();
+  saved.storage = s;
+  saved.state = static_cast<int32_t>(record.mutations.size());
+  saved.geometry = TensorGeometry::of(t);
+  saved.original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+  ++record.pending_unpacks;
+  ++stats_.packed_dropped;
+  return saved;
+}
+
+RegionStats Region::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stats_;
+}
+
+std::vector<RegionOpSummary> Region::op_summary() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<RegionOpSummary> rows;
+  for (const OpInfo& info : ops_) {
+    if (!info.ignored) {
+      rows.push_back({info.name, info.saved, info.dropped, info.replayed});
+    }
+  }
+  return rows;
+}
+
+} // namespace torch_sac::region

@@ -1,0 +1,190 @@
+#pragma once
+// The region engine behind `with torch_sac.sac_context(policy):`.
+//
+// Forward: every op the interceptor sees in the region becomes a tape entry
+// (op, arguments with tensors replaced by references, policy outcome, RNG
+// state). Tensors are identified by storage, not by TensorImpl, because
+// autograd may wrap a view in a new TensorImpl. Autograd's saved tensors go
+// through the region's saved-tensor hooks: pack keeps a tensor whose storage
+// came from outside the region or from a SAVE op, and keeps only a reference
+// (storage, mutation state, view geometry) to one from a RECOMPUTE op.
+//
+// Backward: unpacking a reference uses the original tensor if it is still
+// alive and unchanged, and otherwise replays the recorded ops that rebuild
+// its storage below autograd, with grad off and no Python involved.
+//
+// Memory: the region holds a tensor only when a replay may need it and it
+// cannot be replayed itself (inputs from outside and outputs of SAVE ops used
+// by RECOMPUTE ops), plus copies of tensors from outside the region that an
+// op overwrote (BatchNorm's running statistics), so replay never writes to
+// them again.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "csrc/core/interceptor.h"
+#include "csrc/core/op_policy.h"
+#include "rng_snapshot.h"
+#include "tensor_geometry.h"
+
+namespace torch_sac::region {
+
+class Region;
+
+// A saved tensor as autograd holds it while the region's hooks are active.
+struct SavedActivation {
+  // Kept: a detached alias of the tensor, checked against its version at
+  // pack time on unpack (autograd skips its own check when hooks are used).
+  at::Tensor kept;
+  uint32_t version = 0;
+  c10::VariableVersion version_counter;  // of the packed tensor
+  // Dropped: how to rebuild it.
+  std::shared_ptr<Region> region;
+  int32_t storage = -1;
+  int32_t state = 0;
+  TensorGeometry geometry;
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
+};
+
+struct RegionStats {
+  int64_t policy_calls = 0;
+  int64_t saved_ops = 0;       // ops whose new outputs the policy kept
+  int64_t saved_bytes = 0;
+  int64_t dropped_ops = 0;     // ops whose new outputs the policy dropped
+  int64_t dropped_bytes = 0;
+  int64_t held_bytes = 0;      // copies of overwritten outside tensors
+  int64_t packed_kept = 0;     // saved tensors autograd holds as usual
+  int64_t packed_dropped = 0;  // saved tensors replaced by a reference
+  int64_t unpacked_original = 0;  // references served by the still-live original
+  int64_t replayed_ops = 0;
+  int64_t replay_ns = 0;
+};
+
+struct RegionOpSummary {
+  std::string op;
+  int64_t saved = 0;
+  int64_t dropped = 0;
+  int64_t replayed = 0;
+};
+
+class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
+ public:
+  Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation);
+
+  // OpHandler: records the op (forward only, while open).
+  void handle(
+      const c10::OperatorHandle& op,
+      torch::jit::Stack* stack,
+      RunOp run,
+      const void* adapter_view) override;
+
+  // Nested regions stack their policies on the outermost region.
+  void push_policy(std::shared_ptr<OpPolicy> policy);
+  void pop_policy();
+  // Stops recording; saved activations stay valid.
+  void close();
+
+  // The saved-tensor pack hook.
+  SavedActivation pack(const at::Tensor& t);
+  // Rebuilds a dropped activation (the unpack hook for references).
+  at::Tensor rebuild(const SavedActivation& saved);
+
+  RegionStats stats() const;
+  std::vector<RegionOpSummary> op_summary() const;
+
+ private:
+  // A tensor argument of a replayable entry.
+  struct ArgSlot {
+    uint32_t arg = 0;
+    int32_t element = -1;  // index in a list argument, -1 for a Tensor argument
+    // Either a tensor the region holds (from outside or from a SAVE op) with
+    // its version when used...
+    at::Tensor held;
+    uint32_t version = 0;
+    // ...or a reference into a storage the region can replay.
+    int32_t storage = -1;
+    int32_t state = 0;
+    TensorGeometry geometry;
+  };
+
+  struct Entry {
+    c10::OperatorHandle op;
+    int32_t op_index;  // into ops_
+    bool replayable = false;
+    std::vector<c10::IValue> args;  // tensors filled in from slots on replay
+    std::vector<ArgSlot> slots;
+    std::vector<uint32_t> scratch_args;  // copies of overwritten outside tensors
+    std::vector<std::pair<int32_t, int32_t>> produced;  // (output position, storage)
+    std::optional<RngSnapshot> rng;
+  };
+
+  struct StorageRecord {
+    // Pins the StorageImpl's address so the lookup key cannot be reused.
+    c10::weak_intrusive_ptr<c10::StorageImpl> identity;
+    c10::VariableVersion version_counter;
+    int32_t producer = -1;         // -1: from outside the region
+    int32_t producer_output = 0;   // among the producer's output tensors
+    bool replayable = false;       // produced by a RECOMPUTE op, never tainted
+    std::vector<int32_t> mutations;  // entries that wrote to it, in order
+    // Last version seen at the current state (kUnknownVersion right after a
+    // recorded write, whose version bump happens above the interceptor).
+    uint32_t last_version = 0;
+    int32_t pending_unpacks = 0;
+    at::Tensor memo;               // a replayed copy...
+    int32_t memo_state = -1;       // ...at this mutation state
+  };
+
+  struct OpInfo {
+    std::string name;
+    bool ignored = false;
+    std::vector<size_t> written_args;  // schema arguments marked (a!)
+    int64_t calls = 0;
+    int64_t saved = 0;
+    int64_t dropped = 0;
+    int64_t replayed = 0;
+  };
+
+  static constexpr uint32_t kUnknownVersion = UINT32_MAX;
+
+  OpInfo& info_for(const c10::OperatorHandle& op, int32_t* index);
+  Policy decide(const OpCall& call, const std::string& op_name);
+  int32_t find_storage(const at::Tensor& t) const;
+  int32_t track_storage(const at::Tensor& t, int32_t producer, int32_t output, bool replayable);
+  void observe(int32_t storage, const at::Tensor& t);
+  void record_args(Entry& entry, c10::ArrayRef<c10::IValue> inputs,
+                   const std::vector<c10::IValue>& overwritten);
+
+  // Replay (replay.cpp); called with mutex_ held.
+  at::Tensor materialize(int32_t storage, int32_t state);
+  at::Tensor resolve(const ArgSlot& slot, const Entry& consumer);
+  void check_unchanged(const ArgSlot& slot, const Entry& consumer) const;
+  torch::jit::Stack replay_entry(int32_t entry_index);
+  void release_memos();
+
+  mutable std::mutex mutex_;
+  std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
+  bool allow_cache_entry_mutation_;
+  bool open_ = true;
+  std::vector<Entry> entries_;
+  std::vector<StorageRecord> storages_;
+  std::unordered_map<const c10::StorageImpl*, int32_t> storage_index_;
+  std::vector<OpInfo> ops_;
+  std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
+  std::vector<int32_t> memoised_;
+  RegionStats stats_;
+};
+
+// The unpack hook: the kept tensor (version-checked as autograd would) or the
+// rebuilt one.
+at::Tensor unpack(const SavedActivation& saved);
+
+} // namespace torch_sac::region

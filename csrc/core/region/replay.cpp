@@ -1,0 +1,241 @@
+// Rebuilding dropped activations by replaying the region's tape.
+
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <chrono>
+#include <sstream>
+
+#include "csrc/core/detached_alias.h"
+#include "csrc/core/ivalue_tensors.h"
+#include "region.h"
+
+namespace torch_sac::region {
+namespace {
+
+uint32_t current_version(const c10::VariableVersion& counter) {
+  return counter.enabled() ? counter.current_version() : 0;
+}
+
+uint32_t version_of(const at::Tensor& t) {
+  return current_version(t.unsafeGetTensorImpl()->version_counter());
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << "[" << t.toString() << " " << t.sizes() << "]";
+  return out.str();
+}
+
+// Replay runs each op as the interceptor saw it: below autograd, autocast,
+// Python modes and torch_sac's own key (all of which sit at or above the
+// Python key), with grad off.
+class ReplayGuard {
+ public:
+  ReplayGuard()
+      : below_python_(
+            c10::DispatchKeySet(c10::DispatchKeySet::FULL) -
+            c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python)),
+        no_grad_(false) {}
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard below_python_;
+  c10::AutoGradMode no_grad_;
+};
+
+} // namespace
+
+at::Tensor unpack(const SavedActivation& saved) {
+  if (saved.region) {
+    return saved.region->rebuild(saved);
+  }
+  if (saved.kept.defined()) {
+    const uint32_t now = current_version(saved.version_counter);
+    TORCH_CHECK(
+        now == saved.version,
+        "one of the variables needed for gradient computation has been "
+        "modified by an inplace operation: ", describe(saved.kept),
+        " is at version ", now, "; expected version ", saved.version,
+        " instead. (torch_sac: the tensor was saved for backward inside a "
+        "sac_context region.) Hint: enable anomaly detection with "
+        "torch.autograd.set_detect_anomaly(True) to find the operation that "
+        "failed to compute its gradient.");
+  }
+  return saved.kept;
+}
+
+at::Tensor Region::rebuild(const SavedActivation& saved) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StorageRecord& record = storages_.at(saved.storage);
+  const uint32_t now = current_version(saved.version_counter);
+  TORCH_CHECK(
+      now == saved.version,
+      "one of the variables needed for gradient computation has been modified "
+      "by an inplace operation: a tensor of shape ", c10::IntArrayRef(saved.geometry.sizes),
+      " is at version ", now, "; expected version ", saved.version,
+      " instead. (torch_sac: it was saved for backward inside a sac_context "
+      "region and dropped by the policy.) Hint: enable anomaly detection with "
+      "torch.autograd.set_detect_anomaly(True) to find the operation that "
+      "failed to compute its gradient.");
+  --record.pending_unpacks;
+  at::Tensor result;
+  if (saved.original) {
+    auto original = saved.original->lock();
+    if (original.defined()) {
+      ++stats_.unpacked_original;
+      result = detached_alias(at::Tensor(std::move(original)));
+    }
+  }
+  if (!result.defined()) {
+    const at::Tensor base = materialize(saved.storage, saved.state);
+    result = saved.geometry.view_of(base.storage());
+  }
+  release_memos();
+  return result;
+}
+
+at::Tensor Region::materialize(int32_t storage, int32_t state) {
+  StorageRecord& record = storages_[storage];
+  if (record.memo.defined() && record.memo_state == state) {
+    return record.memo;
+  }
+  at::Tensor base;
+  int32_t reached = 0;
+  if (record.memo.defined() && record.memo_state < state) {
+    base = record.memo;
+    reached = record.memo_state;
+  } else {
+    TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for this storage");
+    const int32_t producer = record.producer;
+    torch::jit::Stack outputs = replay_entry(producer);
+    // Every storage the producer made is now at state 0: keep them all, as
+    // backward usually needs the siblings too (layer norm's mean and rstd).
+    int32_t position = 0;
+    auto produced = entries_[producer].produced.begin();
+    const auto produced_end = entries_[producer].produced.end();
+    for (const c10::IValue& out : outputs) {
+      for_each_tensor(out, [&](const at::Tensor& t) {
+        if (produced != produced_end && produced->first == position) {
+          StorageRecord& sibling = storages_[produced->second];
+          if (produced->second == storage) {
+            base = t;
+          } else if (!sibling.memo.defined()) {
+            sibling.memo = t;
+            sibling.memo_state = 0;
+            memoised_.push_back(produced->second);
+          }
+          ++produced;
+        }
+        ++position;
+      });
+    }
+    TORCH_INTERNAL_ASSERT(base.defined(), "torch_sac: replay did not produce the storage");
+  }
+  if (!record.memo.defined()) {
+    memoised_.push_back(storage);
+  }
+  // Apply the recorded writes; each resolves its target to this memo.
+  for (int32_t k = reached; k < state; ++k) {
+    record.memo = base;
+    record.memo_state = k;
+    replay_entry(record.mutations[k]);
+  }
+  record.memo = base;
+  record.memo_state = state;
+  return base;
+}
+
+void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
+  const uint32_t now = version_of(slot.held);
+  if (now == slot.version) {
+    return;
+  }
+  const bool from_region = find_storage(slot.held) >= 0;
+  if (from_region && allow_cache_entry_mutation_) {
+    return;
+  }
+  const std::string& op = ops_[consumer.op_index].name;
+  const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
+  TORCH_CHECK(
+      false,
+      "one of the variables needed for gradient computation has been modified "
+      "by an inplace operation: ", describe(slot.held), " is at version ", now,
+      "; expected version ", slot.version, " instead. (torch_sac: replaying ",
+      op, " needs its argument '", arg, "', ",
+      from_region
+          ? "an output the policy saved, which was modified in place after "
+            "the op used it. Make the policy recompute the op that made it, "
+            "or pass allow_cache_entry_mutation=True if the new value is "
+            "intended.)"
+          : "a tensor from outside the sac_context region, which was modified "
+            "in place after the region used it.)");
+}
+
+at::Tensor Region::resolve(const ArgSlot& slot, const Entry& consumer) {
+  if (slot.held.defined()) {
+    check_unchanged(slot, consumer);
+    return slot.held;
+  }
+  return slot.geometry.view_of(materialize(slot.storage, slot.state).storage());
+}
+
+torch::jit::Stack Region::replay_entry(int32_t entry_index) {
+  // Entries are never added during replay, so the reference stays valid.
+  const Entry& entry = entries_[entry_index];
+  TORCH_INTERNAL_ASSERT(entry.replayable, "torch_sac: entry ", entry_index, " cannot be replayed");
+  torch::jit::Stack stack(entry.args.begin(), entry.args.end());
+  int64_t copied_list = -1;
+  for (const ArgSlot& slot : entry.slots) {
+    at::Tensor t = resolve(slot, entry);
+    c10::IValue& arg = stack[slot.arg];
+    if (slot.element < 0) {
+      arg = std::move(t);
+      continue;
+    }
+    // Lists are shared by reference: fill a copy, never the recorded one.
+    if (copied_list != slot.arg) {
+      arg = arg.isTensorList() ? c10::IValue(arg.toTensorList().copy())
+                               : c10::IValue(arg.toList().copy());
+      copied_list = slot.arg;
+    }
+    if (arg.isTensorList()) {
+      arg.toTensorList().set(slot.element, std::move(t));
+    } else {
+      arg.toList().set(slot.element, std::move(t));
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  {
+    ReplayGuard guard;
+    for (uint32_t i : entry.scratch_args) {
+      stack[i] = stack[i].toTensor().clone();
+    }
+    auto run = [&] { entry.op.callBoxed(stack); };
+    if (entry.rng) {
+      entry.rng->replay(stack, run);
+    } else {
+      run();
+    }
+  }
+  stats_.replay_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now() - start).count();
+  ++stats_.replayed_ops;
+  ++ops_[entry.op_index].replayed;
+  return stack;
+}
+
+void Region::release_memos() {
+  size_t kept = 0;
+  for (int32_t s : memoised_) {
+    StorageRecord& record = storages_[s];
+    if (record.pending_unpacks > 0 && record.memo.defined()) {
+      memoised_[kept++] = s;
+    } else {
+      record.memo = at::Tensor();
+      record.memo_state = -1;
+    }
+  }
+  memoised_.resize(kept);
+}
+
+} // namespace torch_sac::region

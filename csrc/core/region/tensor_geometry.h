@@ -1,0 +1,25 @@
+#pragma once
+// How a tensor lies on its storage, so the same view can be rebuilt on a
+// replayed copy of that storage.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
+
+#include <vector>
+
+namespace torch_sac::region {
+
+struct TensorGeometry {
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t storage_offset = 0;
+  c10::DispatchKeySet key_set;  // backend, dtype-independent bits (conj/neg)
+  caffe2::TypeMeta dtype;
+
+  static TensorGeometry of(const at::Tensor& t);
+  // A tensor without autograd metadata viewing `storage` with this geometry.
+  at::Tensor view_of(const c10::Storage& storage) const;
+  int64_t nbytes() const;
+};
+
+} // namespace torch_sac::region

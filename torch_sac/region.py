@@ -1,0 +1,159 @@
+"""Checkpointing a region of code in place: ``with torch_sac.sac_context(policy):``."""
+
+import threading
+
+import torch
+
+from . import _C
+from ._modes import handler_mode
+from ._policy_conversion import as_op_policy
+
+__all__ = ["sac_context", "checkpoint"]
+
+# Regions entered on this thread, outermost first. Regions are thread-local,
+# like the interceptor and autograd's saved-tensor hooks they switch on.
+_active = threading.local()
+
+
+def _stack():
+    if not hasattr(_active, "regions"):
+        _active.regions = []
+    return _active.regions
+
+
+class sac_context:
+    """Selective activation checkpointing for the code inside a ``with`` block.
+
+    Every op that runs in the block is recorded by torch_sac's C++
+    interceptor and passed to ``policy``. Outputs the policy saves are kept
+    for backward as usual; outputs it marks for recompute are not held by the
+    region: when backward needs one, the recorded ops that rebuild it are
+    replayed in C++, below autograd, with no Python code re-run.
+
+    Args:
+        policy: a callable ``policy(ctx, op, *args, **kwargs)`` with PyTorch's
+            signature returning :class:`torch_sac.Policy`,
+            :class:`torch.utils.checkpoint.CheckpointPolicy` or a bool; a
+            list of ops to save (OpOverloads or OpOverloadPackets); or a
+            built-in from :mod:`torch_sac.policies`.
+        allow_cache_entry_mutation (bool): an output the policy saved that a
+            replay needs, modified in place after use, raises by default;
+            ``True`` lets the replay use the modified value.
+
+    Example:
+        >>> with torch_sac.sac_context(torch_sac.policies.save_matmuls()) as region:
+        ...     h = block1(x)
+        ...     h = block2(h)
+        >>> loss(h).backward()
+        >>> region.stats()["dropped_bytes"]
+
+    Caveats:
+        * Random ops replay with the random state they drew from in forward,
+          so dropout masks match. An op that wrote to a tensor from outside
+          the region (BatchNorm's running statistics) is replayed against a
+          copy: the outside tensor is updated exactly once.
+        * Nested regions stack their policies on the outermost region: MUST
+          beats PREFER, the innermost PREFER wins, two different MUSTs raise.
+        * Autograd's saved tensors inside the region go through the region's
+          ``saved_tensors_hooks``; hooks a user enters *inside* the region
+          (e.g. ``save_on_cpu``) take precedence for the tensors saved under
+          them, hooks entered *outside* it do not see the region's tensors.
+        * A region is thread-local; backward may run on any thread.
+        * ``retain_graph=True``: a second backward replays again.
+        * With grad disabled or in inference mode nothing is recorded.
+    """
+
+    def __init__(self, policy, *, allow_cache_entry_mutation=False):
+        if not isinstance(allow_cache_entry_mutation, bool):
+            raise TypeError(
+                "torch_sac.sac_context: allow_cache_entry_mutation must be a bool, "
+                f"got {allow_cache_entry_mutation!r}"
+            )
+        self._policy = as_op_policy(policy, "sac_context")
+        self._allow = allow_cache_entry_mutation
+        self._region = None
+        self._owner = False
+        self._exits = []
+
+    def __enter__(self):
+        if self._region is not None:
+            raise RuntimeError("torch_sac.sac_context: this context is already entered")
+        stack = _stack()
+        if stack:
+            self._region = stack[-1]._region
+            self._region.push_policy(self._policy)
+            self._exits = [self._region.pop_policy]
+        else:
+            self._region = _C.Region(self._policy, self._allow)
+            self._owner = True
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._region.pack, _C.unpack_saved)
+            mode = handler_mode(self._region)
+            hooks.__enter__()
+            try:
+                mode.__enter__()
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                raise
+            # Undone in reverse order on exit.
+            self._exits = [
+                lambda: hooks.__exit__(None, None, None),
+                lambda: mode.__exit__(None, None, None),
+                self._region.close,
+            ]
+        stack.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        stack = _stack()
+        if not stack or stack[-1] is not self:
+            raise RuntimeError(
+                "torch_sac.sac_context: regions must exit in the reverse order "
+                "they were entered, on the thread that entered them"
+            )
+        stack.pop()
+        exits, self._exits = self._exits, []
+        for undo in reversed(exits):
+            undo()
+        return False
+
+    def stats(self):
+        """Counters of the (outermost) region this context recorded into.
+
+        ``policy_calls``; ``saved_ops``/``saved_bytes`` and
+        ``dropped_ops``/``dropped_bytes`` (ops whose new outputs the policy
+        kept or dropped, and their storage bytes); ``held_bytes`` (copies of
+        outside tensors the region overwrote, e.g. BatchNorm running stats);
+        ``packed_kept``/``packed_dropped`` (tensors autograd saved, kept as is
+        or replaced by a reference); ``unpacked_original`` (references served
+        by a still-live original); ``replayed_ops`` and ``replay_ns``.
+        """
+        self._check_used("stats")
+        return self._region.stats()
+
+    def op_summary(self):
+        """Per op overload, first-seen order: ``(op, saved, dropped, replayed)``."""
+        self._check_used("op_summary")
+        return self._region.op_summary()
+
+    def _check_used(self, what):
+        if self._region is None:
+            raise RuntimeError(f"torch_sac.sac_context.{what}: the context was never entered")
+
+
+def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` inside :class:`sac_context` and returns its result.
+
+    Unlike :func:`torch.utils.checkpoint.checkpoint`, backward never calls
+    ``fn`` again: dropped activations are rebuilt by replaying recorded ops.
+
+    Args:
+        fn: the function to checkpoint.
+        *args, **kwargs: passed to ``fn``.
+        policy: as for :class:`sac_context` (keyword-only).
+        allow_cache_entry_mutation (bool): as for :class:`sac_context`.
+
+    Example:
+        >>> y = torch_sac.checkpoint(block, x, policy=torch_sac.policies.recompute_all())
+    """
+    with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation):
+        return fn(*args, **kwargs)
