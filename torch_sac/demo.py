@@ -1,22 +1,24 @@
 """Trains a small GPT-style model with torch_sac and reports what SAC did.
 
     python -m torch_sac.demo [--steps N] [--policy save_matmuls|recompute_all|save_all]
+                             [--engine region|contexts]
 
-Each transformer block runs under ``torch.utils.checkpoint`` with torch_sac's
-contexts. After training, the script prints per op what was saved, dropped
-and recomputed in the last step, and checks that the gradients equal those of
-the same step without checkpointing.
+Each transformer block is checkpointed: with ``--engine region`` (default) it
+runs inside ``torch_sac.sac_context`` and backward replays dropped ops in C++;
+with ``--engine contexts`` it runs under ``torch.utils.checkpoint`` with
+torch_sac's drop-in contexts. After training, the script prints per op what
+was saved, dropped and recomputed in the last step, and checks that the
+gradients equal those of the same step without checkpointing.
 """
 
 import argparse
-import functools
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torch_sac
+from torch_sac.models import TinyGPT
 
 POLICIES = {
     "save_matmuls": torch_sac.policies.save_matmuls,
@@ -25,51 +27,11 @@ POLICIES = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, dim, heads, dropout):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        att = self.dropout(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.dropout(self.proj(y))
-        return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab=64, dim=32, heads=4, depth=4, dropout=0.1):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(depth))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens, context_fn=None):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            if context_fn is None:
-                x = block(x)
-            else:
-                x = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
-        return self.head(x)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--policy", choices=sorted(POLICIES), default="save_matmuls")
+    parser.add_argument("--engine", choices=["region", "contexts"], default="region")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -78,7 +40,10 @@ def main(argv=None):
     reference.load_state_dict(model.state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = POLICIES[args.policy]()
-    print(f"torch {torch.__version__}, torch_sac adapter: {torch_sac.adapter()}, policy: {policy!r}")
+    print(
+        f"torch {torch.__version__}, torch_sac adapter: {torch_sac.adapter()}, "
+        f"engine: {args.engine}, policy: {policy!r}"
+    )
 
     contexts = []
 
@@ -87,12 +52,20 @@ def main(argv=None):
         contexts.append(pair[0])
         return pair
 
+    def wrap(block, x):
+        if args.engine == "contexts":
+            return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+        region = torch_sac.sac_context(policy)
+        contexts.append(region)
+        with region:
+            return block(x)
+
     for step in range(args.steps):
         tokens = torch.randint(0, 64, (8, 16))
         contexts.clear()
         optimizer.zero_grad()
         torch.manual_seed(1000 + step)
-        loss = F.cross_entropy(model(tokens, context_fn).flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss = F.cross_entropy(model(tokens, wrap).flatten(0, 1), tokens.roll(-1, 1).flatten())
         loss.backward()
         if step == args.steps - 1:
             torch.manual_seed(1000 + step)
@@ -116,14 +89,25 @@ def main(argv=None):
             row[1] += dropped
             row[2] += recomputed
     print(f"  {'op':<44} {'saved':>6} {'dropped':>8} {'recomputed':>11}")
+    # Region rows count ops that made new tensors (views and in-place ops show 0/0).
     for op, (saved, dropped, recomputed) in rows.items():
         print(f"  {op:<44} {saved:>6} {dropped:>8} {recomputed:>11}")
     totals = {k: sum(c.stats()[k] for c in contexts) for k in contexts[0].stats()}
-    print(
-        f"\n  ops seen by the policy: {totals['policy_calls']}, saved: {totals['saved_ops']} "
-        f"({totals['saved_bytes'] / 1024:.1f} KiB cached), recomputed in backward: "
-        f"{totals['recomputed_ops']}, cache hits: {totals['cache_hits']}"
-    )
+    if args.engine == "contexts":
+        print(
+            f"\n  ops seen by the policy: {totals['policy_calls']}, saved: {totals['saved_ops']} "
+            f"({totals['saved_bytes'] / 1024:.1f} KiB cached), recomputed in backward: "
+            f"{totals['recomputed_ops']}, cache hits: {totals['cache_hits']}"
+        )
+    else:
+        print(
+            f"\n  ops seen by the policy: {totals['policy_calls']}; new outputs kept: "
+            f"{totals['saved_ops']} ops, {totals['saved_bytes'] / 1024:.1f} KiB; dropped: "
+            f"{totals['dropped_ops']} ops, {totals['dropped_bytes'] / 1024:.1f} KiB\n"
+            f"  saved tensors autograd held as references: {totals['packed_dropped']} "
+            f"(kept as usual: {totals['packed_kept']}); replayed in backward: "
+            f"{totals['replayed_ops']} ops in {totals['replay_ns'] / 1e6:.2f} ms"
+        )
     print(f"  gradients bitwise equal to the run without checkpointing: {same}")
     return 0 if same else 1
 
