@@ -1,6 +1,5 @@
 """Turns what users pass as a policy into a C++ OpPolicy."""
 
-
 from . import _C
 from .policies import save_ops
 
