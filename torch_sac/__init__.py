@@ -7,7 +7,7 @@ process uses.
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _C, policies
+from . import _C, memory, policies
 from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
@@ -19,6 +19,7 @@ __all__ = [
     "adapter",
     "checkpoint",
     "create_selective_checkpoint_contexts",
+    "memory",
     "policies",
     "sac_context",
 ]

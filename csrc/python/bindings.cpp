@@ -6,6 +6,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "csrc/core/counting_allocator.h"
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/interceptor.h"
 #include "csrc/core/region/region.h"
@@ -118,4 +119,26 @@ PYBIND11_MODULE(_C, m) {
     }
     return names;
   });
+
+  // ---- Memory measurement (csrc/core/counting_allocator.h; Python API in
+  // ---- torch_sac/memory.py) --------------------------------------------
+  m.def("install_counting_allocator", [] { install_counting_allocator(); });
+  m.def("counting_allocator_installed", [] {
+    return installed_counting_allocator() != nullptr;
+  });
+  py::class_<CpuMemoryStats>(m, "CpuMemoryStats")
+      .def_readonly("allocated", &CpuMemoryStats::allocated)
+      .def_readonly("peak", &CpuMemoryStats::peak)
+      .def_readonly("allocs", &CpuMemoryStats::allocs)
+      .def_readonly("frees", &CpuMemoryStats::frees);
+  m.def("cpu_memory_stats", &cpu_memory_stats);
+  m.def("reset_cpu_peak", &reset_cpu_peak);
+  py::class_<PeakWindow>(m, "CpuPeakWindow")
+      .def(py::init<>())
+      .def_property_readonly("start", &PeakWindow::start)
+      .def_property_readonly("peak", &PeakWindow::peak)
+      .def_property_readonly("current", &PeakWindow::current)
+      .def_property_readonly("is_open", &PeakWindow::is_open)
+      .def("close", &PeakWindow::close);
+  // ---- end memory measurement -------------------------------------------
 }
