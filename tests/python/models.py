@@ -33,6 +33,13 @@ __all__ = [
     "build_gpt",
     "build_gpt_sdpa",
     "MODEL_BUILDERS",
+    "LSTMLoop",
+    "ScaledTanhFn",
+    "CustomFnNet",
+    "build_gpt4",
+    "build_lstm_loop",
+    "build_custom_fn",
+    "REGION_MODEL_BUILDERS",
 ]
 
 _PARAM_SEED = 1234
@@ -173,4 +180,94 @@ MODEL_BUILDERS = {
     "convbn": build_convbn,
     "gpt": build_gpt,
     "gpt_sdpa": build_gpt_sdpa,
+}
+
+
+# --------------------------------------------------------------------------
+# Extra models for the region engine tests (tests/python/test_region.py).
+# Kept out of MODEL_BUILDERS so the drop-in parity matrix is unchanged.
+# --------------------------------------------------------------------------
+
+
+class LSTMLoop(nn.Module):
+    """An LSTM written as a Python loop of cell steps that reuse one set of
+    weights: every step's matmuls, chunks and pointwise ops hit the same
+    parameters, and the hidden state starts as a factory op (``new_zeros``)."""
+
+    def __init__(self, d_in=6, d_hidden=8, n_out=3):
+        super().__init__()
+        self.d_hidden = d_hidden
+        self.w_ih = nn.Linear(d_in, 4 * d_hidden)
+        self.w_hh = nn.Linear(d_hidden, 4 * d_hidden, bias=False)
+        self.head = nn.Linear(d_hidden, n_out)
+
+    def forward(self, x):  # (B, T, d_in)
+        B, T, _ = x.shape
+        h = x.new_zeros(B, self.d_hidden)
+        c = x.new_zeros(B, self.d_hidden)
+        outs = []
+        for t in range(T):
+            gates = self.w_ih(x[:, t]) + self.w_hh(h)
+            i, f, g, o = gates.chunk(4, 1)
+            c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+            h = o.sigmoid() * c.tanh()
+            outs.append(h)
+        return self.head(torch.stack(outs, 1))
+
+
+class ScaledTanhFn(torch.autograd.Function):
+    """A custom autograd.Function: ``tanh(x * w)`` with a hand-written
+    backward that uses its saved input, weight and output."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y = torch.tanh(x * w)
+        ctx.save_for_backward(x, w, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, y = ctx.saved_tensors
+        d = gy * (1 - y * y)
+        return d * w, (d * x).sum(0)
+
+
+class CustomFnNet(nn.Module):
+    """Linear -> ReLU -> ScaledTanhFn -> Linear -> sin."""
+
+    def __init__(self, d_in=8, d_hidden=12, d_out=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d_hidden))
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        h = ScaledTanhFn.apply(h, self.scale)
+        return self.fc2(h).sin()
+
+
+def build_gpt4():
+    """Four causal-attention blocks with dropout (no SDPA)."""
+    module = _seeded(lambda: Stack(*[GPTBlock(use_sdpa=False) for _ in range(4)]))()
+    return module, _input_factory((2, 8, 16), seed=5)
+
+
+def build_lstm_loop():
+    module = _seeded(LSTMLoop)()
+    return module, _input_factory((3, 5, 6), seed=6)
+
+
+def build_custom_fn():
+    module = _seeded(CustomFnNet)()
+    return module, _input_factory((4, 8), seed=7)
+
+
+#: Builders used by the region engine tests only.
+REGION_MODEL_BUILDERS = {
+    "mlp": build_mlp,
+    "convbn": build_convbn,
+    "gpt4": build_gpt4,
+    "lstm_loop": build_lstm_loop,
+    "custom_fn": build_custom_fn,
 }

@@ -53,6 +53,23 @@ void Region::pop_policy() {
 void Region::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   open_ = false;
+  release_tape_if_unused();
+}
+
+// The tape (and what it holds for replay: inputs from outside, SAVE outputs
+// used by dropped ops, copies of overwritten tensors) lives exactly as long
+// as some dropped activation can still be unpacked; the stats and the per-op
+// summary outlive it.
+void Region::release_tape_if_unused() {
+  if (open_ || live_dropped_ > 0) {
+    return;
+  }
+  entries_.clear();
+  entries_.shrink_to_fit();
+  storages_.clear();
+  storages_.shrink_to_fit();
+  storage_index_.clear();
+  memoised_.clear();
 }
 
 Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) {
@@ -316,8 +333,28 @@ SavedActivation Region::pack(const at::Tensor& t) {
   saved.geometry = TensorGeometry::of(t);
   saved.original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   ++record.pending_unpacks;
+  ++record.live_refs;
+  ++live_dropped_;
   ++stats_.packed_dropped;
   return saved;
+}
+
+void Region::forget(const SavedActivation& saved) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  StorageRecord& record = storages_.at(saved.storage);
+  --record.live_refs;
+  if (saved.unpacked_generation != record.generation) {
+    --record.pending_unpacks;
+  }
+  end_generation_if_done(record);
+  --live_dropped_;
+  release_tape_if_unused();
+}
+
+SavedActivation::~SavedActivation() {
+  if (region) {
+    region->forget(*this);
+  }
 }
 
 RegionStats Region::stats() const {

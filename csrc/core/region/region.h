@@ -41,7 +41,16 @@ namespace torch_sac::region {
 class Region;
 
 // A saved tensor as autograd holds it while the region's hooks are active.
+// Move-only: a dropped one tells its region when it dies, so the region
+// knows which rebuilt copies and which parts of the tape are still needed.
 struct SavedActivation {
+  SavedActivation() = default;
+  SavedActivation(SavedActivation&&) noexcept = default;
+  SavedActivation& operator=(SavedActivation&&) noexcept = default;
+  SavedActivation(const SavedActivation&) = delete;
+  SavedActivation& operator=(const SavedActivation&) = delete;
+  ~SavedActivation();
+
   // Kept: a detached alias of the tensor, checked against its version at
   // pack time on unpack (autograd skips its own check when hooks are used).
   at::Tensor kept;
@@ -53,6 +62,8 @@ struct SavedActivation {
   int32_t state = 0;
   TensorGeometry geometry;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
+  // The storage's unpack generation this one was last unpacked in.
+  mutable int64_t unpacked_generation = -1;
 };
 
 struct RegionStats {
@@ -97,6 +108,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   SavedActivation pack(const at::Tensor& t);
   // Rebuilds a dropped activation (the unpack hook for references).
   at::Tensor rebuild(const SavedActivation& saved);
+  // A dropped activation died (its autograd node was freed).
+  void forget(const SavedActivation& saved);
 
   RegionStats stats() const;
   std::vector<RegionOpSummary> op_summary() const;
@@ -138,7 +151,13 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     // Last version seen at the current state (kUnknownVersion right after a
     // recorded write, whose version bump happens above the interceptor).
     uint32_t last_version = 0;
+    // Dropped activations of this storage alive, and those of them not yet
+    // unpacked in this generation. A generation ends when every live one
+    // was unpacked (one backward pass); with retain_graph=True the next
+    // backward starts a new one.
+    int32_t live_refs = 0;
     int32_t pending_unpacks = 0;
+    int64_t generation = 0;
     at::Tensor memo;               // a replayed copy...
     int32_t memo_state = -1;       // ...at this mutation state
   };
@@ -169,6 +188,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void check_unchanged(const ArgSlot& slot, const Entry& consumer) const;
   torch::jit::Stack replay_entry(int32_t entry_index);
   void release_memos();
+  // Ends the storage's generation if nothing in it is left to unpack.
+  void end_generation_if_done(StorageRecord& record);
+  // Frees the tape once the region is closed and nothing can replay.
+  void release_tape_if_unused();
 
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
@@ -180,6 +203,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::vector<OpInfo> ops_;
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
   std::vector<int32_t> memoised_;
+  int64_t live_dropped_ = 0;  // SavedActivations referring to this region
   RegionStats stats_;
 };
 

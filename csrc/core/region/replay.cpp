@@ -77,7 +77,10 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       "region and dropped by the policy.) Hint: enable anomaly detection with "
       "torch.autograd.set_detect_anomaly(True) to find the operation that "
       "failed to compute its gradient.");
-  --record.pending_unpacks;
+  if (saved.unpacked_generation != record.generation) {
+    saved.unpacked_generation = record.generation;
+    --record.pending_unpacks;
+  }
   at::Tensor result;
   if (saved.original) {
     auto original = saved.original->lock();
@@ -90,8 +93,19 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
     const at::Tensor base = materialize(saved.storage, saved.state);
     result = saved.geometry.view_of(base.storage());
   }
+  end_generation_if_done(record);
   release_memos();
   return result;
+}
+
+void Region::end_generation_if_done(StorageRecord& record) {
+  if (record.pending_unpacks > 0) {
+    return;
+  }
+  record.memo = at::Tensor();
+  record.memo_state = -1;
+  ++record.generation;
+  record.pending_unpacks = record.live_refs;
 }
 
 at::Tensor Region::materialize(int32_t storage, int32_t state) {
@@ -228,6 +242,8 @@ void Region::release_memos() {
   size_t kept = 0;
   for (int32_t s : memoised_) {
     StorageRecord& record = storages_[s];
+    // Storages no saved activation refers to (intermediates of a replay)
+    // have nothing pending: their memos go at once.
     if (record.pending_unpacks > 0 && record.memo.defined()) {
       memoised_[kept++] = s;
     } else {

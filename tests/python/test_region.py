@@ -1,0 +1,1343 @@
+"""The region engine (``torch_sac.sac_context`` / ``torch_sac.checkpoint``)
+checked against PyTorch itself: the same code run without checkpointing.
+
+Everything runs on CPU, where the kernels used here are deterministic, so
+gradients, outputs, BatchNorm buffers and RNG states are compared bitwise
+(``torch.equal``). The suite runs under both interception adapters
+(TORCH_SAC_ADAPTER=key and =python); nothing here assumes either, except the
+"no interceptor left behind" checks, which look at both.
+"""
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import CheckpointPolicy
+
+import torch_sac
+from conftest import (
+    LOSS_SEED,
+    RUN_SEED,
+    RunResult,
+    assert_buffers_equal,
+    assert_grads_equal,
+    assert_tensors_equal,
+    aten,
+    loss_of,
+    mixed_policy_fn,
+)
+from models import REGION_MODEL_BUILDERS, Stack
+
+P = torch_sac.Policy
+MM_OPS = [aten.mm.default, aten.addmm.default]
+
+
+# --------------------------------------------------------------------------
+# Policies (each entry builds a fresh policy object)
+# --------------------------------------------------------------------------
+
+POLICIES = {
+    "recompute_all": lambda: torch_sac.policies.recompute_all(),
+    "save_all": lambda: torch_sac.policies.save_all(),
+    "save_matmuls": lambda: torch_sac.policies.save_matmuls(),
+    "every_other_mm": lambda: torch_sac.policies.every_nth([aten.mm, aten.addmm], 2),
+    "callable": lambda: mixed_policy_fn,
+    "ops_list": lambda: list(MM_OPS),
+}
+POLICY_NAMES = list(POLICIES)
+
+
+def policy_of(name):
+    return POLICIES[name]()
+
+
+# --------------------------------------------------------------------------
+# Running a model with and without a region
+# --------------------------------------------------------------------------
+
+# How the model is put in a region:
+#   whole:      one sac_context around the whole forward
+#   per_block:  one sac_context per block of a Stack
+#   checkpoint: torch_sac.checkpoint(module, x, policy=...)
+MODES = ("whole", "per_block", "checkpoint")
+
+
+class Step:
+    """One forward+backward: results, the global RNG state after it, and the
+    contexts used (for stats)."""
+
+    def __init__(self, result, rng_after, contexts):
+        self.result = result
+        self.rng_after = rng_after
+        self.contexts = contexts
+
+    def stats(self):
+        total = {}
+        for ctx in self.contexts:
+            for k, v in ctx.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+def forward_in_region(module, x, policy, mode, allow=False, contexts=None):
+    contexts = [] if contexts is None else contexts
+    if policy is None:
+        return module(x)
+    if mode == "whole":
+        with torch_sac.sac_context(policy, allow_cache_entry_mutation=allow) as ctx:
+            out = module(x)
+        contexts.append(ctx)
+        return out
+    if mode == "per_block":
+        assert isinstance(module, Stack)
+        h = x
+        for block in module:
+            with torch_sac.sac_context(policy, allow_cache_entry_mutation=allow) as ctx:
+                h = block(h)
+            contexts.append(ctx)
+        return h
+    if mode == "checkpoint":
+        return torch_sac.checkpoint(module, x, policy=policy, allow_cache_entry_mutation=allow)
+    raise AssertionError(mode)
+
+
+def collect(module, x, out):
+    return RunResult(
+        out=out.detach().clone(),
+        param_grads={n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        input_grad=None if x.grad is None else x.grad.clone(),
+        buffers={n: b.clone() for n, b in module.named_buffers()},
+    )
+
+
+def run_step(model, policy=None, mode="whole", allow=False, seed=RUN_SEED, wrap=None):
+    """Fresh model, fixed global seed, forward (in a region unless policy is
+    None), loss, backward. ``wrap`` is an optional context-manager factory
+    put around forward+backward (autocast)."""
+    builder = REGION_MODEL_BUILDERS[model] if isinstance(model, str) else model
+    module, make_input = builder()
+    x = make_input()
+    torch.manual_seed(seed)
+    contexts = []
+    if wrap is None:
+        out = forward_in_region(module, x, policy, mode, allow, contexts)
+    else:
+        with wrap():
+            out = forward_in_region(module, x, policy, mode, allow, contexts)
+    loss_of(out.float()).backward()
+    return Step(collect(module, x, out), torch.get_rng_state(), contexts)
+
+
+_REFERENCE = {}
+
+
+def reference(model):
+    """The un-checkpointed run of ``model`` (cached)."""
+    if model not in _REFERENCE:
+        _REFERENCE[model] = run_step(model)
+    return _REFERENCE[model]
+
+
+def assert_step_equal(step, ref, label):
+    assert_grads_equal(step.result, ref.result, label)
+    assert_buffers_equal(step.result, ref.result, label)
+    assert torch.equal(step.rng_after, ref.rng_after), f"{label}: global RNG state differs after the step"
+
+
+def interceptor_off():
+    """No torch_sac interception is active on this thread."""
+    if torch_sac.adapter() == "key":
+        assert torch_sac._C.key_handler_depth() == 0
+    assert _get_current_dispatch_mode() is None
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def tensors_of(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_of(o)]
+    return []
+
+
+# --------------------------------------------------------------------------
+# Small functions
+# --------------------------------------------------------------------------
+
+def small_inputs(seed=0, n=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n, generator=g).requires_grad_(True)
+    w = torch.randn(n, n, generator=g).requires_grad_(True)
+    return x, w
+
+
+def run_fn(fn, policy=None, seed=0, allow=False, n_inputs=2):
+    """fn(x, w) in a region (unless policy is None), backward of a weighted
+    sum of its outputs -> (outputs, x.grad, w.grad, ctx)."""
+    x, w = small_inputs(seed)
+    ctx = None
+    if policy is None:
+        out = fn(x, w)
+    else:
+        with torch_sac.sac_context(policy, allow_cache_entry_mutation=allow) as ctx:
+            out = fn(x, w)
+    outs = tensors_of(out)
+    loss = sum(loss_of(o.float()) for o in outs if o.requires_grad)
+    loss.backward()
+    return [o.detach().clone() for o in outs], x.grad, w.grad, ctx
+
+
+def assert_fn_equal(a, b, label):
+    outs_a, gx_a, gw_a, _ = a
+    outs_b, gx_b, gw_b, _ = b
+    assert len(outs_a) == len(outs_b)
+    for i, (oa, ob) in enumerate(zip(outs_a, outs_b)):
+        assert_tensors_equal(oa, ob, f"{label}: output {i}")
+    assert_tensors_equal(gx_a, gx_b, f"{label}: x.grad")
+    assert_tensors_equal(gw_a, gw_b, f"{label}: w.grad")
+
+
+# ==========================================================================
+# 1. Gradients over a model matrix x policies
+# ==========================================================================
+
+MATRIX = [
+    ("mlp", "whole"),
+    ("mlp", "checkpoint"),
+    ("convbn", "whole"),
+    ("gpt4", "whole"),
+    ("gpt4", "per_block"),
+    ("lstm_loop", "whole"),
+    ("custom_fn", "whole"),
+]
+
+
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+@pytest.mark.parametrize("model,mode", MATRIX, ids=[f"{m}-{mode}" for m, mode in MATRIX])
+def test_matches_uncheckpointed(model, mode, policy_name):
+    ref = reference(model)
+    step = run_step(model, policy_of(policy_name), mode)
+    label = f"{model}/{mode}/{policy_name}"
+    # Outputs (so dropout masks), parameter and input grads, BatchNorm buffers
+    # (running stats updated exactly once) and the global RNG state afterwards.
+    assert_step_equal(step, ref, label)
+    if mode != "checkpoint":
+        stats = step.stats()
+        assert stats["policy_calls"] > 0
+        if policy_name == "save_all":
+            assert stats["dropped_ops"] == 0 and stats["replayed_ops"] == 0, stats
+        else:
+            assert stats["dropped_ops"] > 0, stats
+        if policy_name == "recompute_all":
+            assert stats["replayed_ops"] > 0, stats
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
+def test_batchnorm_stats_updated_once_and_bn_replayed(policy_name):
+    """BatchNorm's running stats and num_batches_tracked equal the plain run's
+    after one step (and after a second step), while the BN output itself is
+    dropped and rebuilt by replay."""
+    def two_steps(policy):
+        module, make_input = REGION_MODEL_BUILDERS["convbn"]()
+        ctxs = []
+        for step in range(2):
+            x = make_input()
+            out = forward_in_region(module, x, policy, "whole", contexts=ctxs)
+            loss_of(out).backward()
+        return module, ctxs
+
+    plain, _ = two_steps(None)
+    ours, ctxs = two_steps(policy_of(policy_name))
+    for (name, b_ref), (_, b) in zip(plain.named_buffers(), ours.named_buffers()):
+        assert_tensors_equal(b, b_ref, f"buffer {name}")
+    assert ours.bn.num_batches_tracked.item() == 2
+    for (name, p_ref), (_, p) in zip(plain.named_parameters(), ours.named_parameters()):
+        assert_tensors_equal(p.grad, p_ref.grad, f"accumulated grad of {name}")
+    for ctx in ctxs:
+        rows = {op: (saved, dropped, replayed) for op, saved, dropped, replayed in ctx.op_summary()}
+        bn = [op for op in rows if "batch_norm" in op]
+        assert bn, rows
+        assert any(rows[op][1] > 0 and rows[op][2] > 0 for op in bn), (
+            f"BatchNorm output was not dropped and replayed: {rows}")
+        assert ctx.stats()["held_bytes"] > 0  # the copies of the running stats
+
+
+# ==========================================================================
+# 2. Random ops
+# ==========================================================================
+
+def random_fn(x, w, gen=None):
+    """Random factory and in-place random ops whose values backward needs."""
+    r = torch.rand(4, 4)
+    a = torch.mm(x, w) * r                      # mul saves r
+    b = torch.randn_like(x) * a.sin()           # saves randn_like's output and sin's
+    m = torch.empty(4, 4).bernoulli_(0.5)
+    c = (b * m).tanh()
+    n = torch.empty(4, 4).normal_(0.0, 2.0)
+    d = c * n
+    e = F.dropout(d, p=0.3, training=True)
+    if gen is not None:
+        gr = torch.rand(4, 4, generator=gen)
+        gb = torch.empty(4, 4).bernoulli_(0.5, generator=gen)
+        e = e * gr * gb
+    return e.exp()
+
+
+@pytest.mark.parametrize("with_generator", [False, True], ids=["global_rng", "explicit_generator"])
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "callable", "save_all"])
+def test_random_ops_replay_identically(policy_name, with_generator):
+    def run(policy):
+        gen = torch.Generator().manual_seed(11) if with_generator else None
+        torch.manual_seed(5)
+        res = run_fn(lambda x, w: random_fn(x, w, gen), policy)
+        return res, torch.get_rng_state(), (gen.get_state() if gen is not None else None)
+
+    ref, rng_ref, gen_ref = run(None)
+    ours, rng_ours, gen_ours = run(policy_of(policy_name))
+    assert_fn_equal(ours, ref, policy_name)
+    assert torch.equal(rng_ours, rng_ref), "global RNG state differs after the step"
+    if with_generator:
+        assert torch.equal(gen_ours, gen_ref), "explicit generator state differs after the step"
+    stats = ours[3].stats()
+    if policy_name == "recompute_all":
+        assert stats["replayed_ops"] > 0
+        replayed = {op for op, _, _, n in ours[3].op_summary() if n > 0}
+        for name in ("aten::rand", "aten::randn_like", "aten::bernoulli_", "aten::normal_"):
+            assert any(op.startswith(name + ".") for op in replayed), (name, replayed)
+
+
+def test_dropout_masks_survive_rng_use_between_forward_and_backward():
+    """Replay draws from the state recorded in forward, not the current one:
+    drawing random numbers between forward and backward changes nothing."""
+    def run(policy, disturb):
+        module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+        x = make_input()
+        torch.manual_seed(RUN_SEED)
+        out = forward_in_region(module, x, policy, "whole")
+        if disturb:
+            torch.rand(1000)
+        loss_of(out).backward()
+        return collect(module, x, out)
+
+    ref = run(None, False)
+    ours = run(policy_of("recompute_all"), True)
+    assert_grads_equal(ours, ref, "recompute_all with RNG use before backward")
+
+
+# ==========================================================================
+# 3. Views, aliasing, in-place chains, .item(), factory ops
+# ==========================================================================
+
+def views_fn(x, w):
+    h = torch.mm(x, w)
+    s0, s1 = h.split(2, dim=1)
+    c0, c1 = h.chunk(2, dim=0)
+    u = h.unbind(0)
+    t = h.t()
+    v = h.view(-1)
+    n = h.narrow(1, 1, 2)
+    cat = torch.cat([s0.sin(), s1.cos(), c0.t().exp()[:, :2].t().reshape(4, 2)], 1)
+    outs = [cat, c1.sigmoid(), u[1].tanh(), u[3] * u[0], t.sin(), v.exp(), n.cos()]
+    return outs
+
+
+def inplace_fn(x, w):
+    y = x.sin()
+    y.mul_(2)
+    y.add_(1)
+    e = y.exp()                       # saves its result
+    z = y * w                         # saves y (at version 2) and w
+    s = torch.mm(x, w).sin()
+    sv = s[:, :2]                     # a view of a region tensor...
+    sv.mul_(3)                        # ...written in place
+    s2 = s.cos()                      # saves s after the write through the view
+    q = s.t()[1:] * 1.5
+    q.add_(0.5)
+    q2 = q.exp()
+    return [e, z, s2, q2, sv * 2]
+
+
+def item_and_factory_fn(x, w):
+    h = torch.mm(x, w)
+    k = h.abs().sum().item()          # .item() inside the region
+    zeros = torch.zeros(4, 4)
+    zeros[:, 0] = 1.0
+    zeros[1].fill_(2.0)
+    ar = torch.arange(4.0).view(1, 4)
+    full = torch.full((4, 4), k / 100.0)
+    ones = torch.ones_like(h)
+    a = (h + ar) * zeros              # mul saves zeros
+    b = (h * full).sin()
+    c = (a + ones).tanh() * torch.eye(4)
+    return [a.exp(), b, c]
+
+
+def mutation_of_outside_fn(x, w):
+    """Ops that write into tensors from outside the region (a buffer)."""
+    buf = _OUTSIDE_BUFFER
+    h = torch.mm(x, w).sin()
+    buf.mul_(0.5).add_(h.detach().mean(0))
+    return (h * 2).exp()
+
+
+_OUTSIDE_BUFFER = torch.zeros(4)
+
+VIEW_FNS = {
+    "views": views_fn,
+    "inplace": inplace_fn,
+    "item_factory": item_and_factory_fn,
+}
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_all", "save_matmuls", "callable", "every_other_mm"])
+@pytest.mark.parametrize("fn_name", list(VIEW_FNS))
+def test_views_inplace_item_factories(fn_name, policy_name):
+    fn = VIEW_FNS[fn_name]
+    ref = run_fn(fn)
+    ours = run_fn(fn, policy_of(policy_name))
+    assert_fn_equal(ours, ref, f"{fn_name}/{policy_name}")
+    if policy_name == "recompute_all":
+        assert ours[3].stats()["dropped_ops"] > 0
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
+def test_write_to_outside_tensor_applied_once(policy_name):
+    _OUTSIDE_BUFFER.fill_(1.0)
+    ref = run_fn(mutation_of_outside_fn)
+    buf_ref = _OUTSIDE_BUFFER.clone()
+    _OUTSIDE_BUFFER.fill_(1.0)
+    ours = run_fn(mutation_of_outside_fn, policy_of(policy_name))
+    assert_fn_equal(ours, ref, policy_name)
+    assert_tensors_equal(_OUTSIDE_BUFFER, buf_ref, "outside buffer")
+
+
+def test_dropped_views_rebuilt_after_originals_die():
+    """Views of a dropped tensor saved by autograd come back with the right
+    geometry (offset, strides) when the originals are gone."""
+    def fn(x, w):
+        h = torch.mm(x, w).sin()
+        a = h[1:, ::2]             # non-contiguous, offset view
+        b = h.t()[2]
+        return [a.exp(), (b * b).sum(0, keepdim=True), h.diagonal().cos()]
+
+    ref = run_fn(fn)
+    ours = run_fn(fn, policy_of("recompute_all"))
+    assert_fn_equal(ours, ref, "views of dropped")
+    s = ours[3].stats()
+    assert s["replayed_ops"] > 0, s
+
+
+# ==========================================================================
+# 4. stats() and op_summary()
+# ==========================================================================
+
+def chain_fn(x, w):
+    """mm, sin, mm, relu, exp: 5 ops, all needed by backward."""
+    a = torch.mm(x, w)
+    b = a.sin()
+    c = torch.mm(b, w)
+    return c.relu().exp()
+
+
+CHAIN_OPS = ["aten::mm.default", "aten::sin.default", "aten::relu.default", "aten::exp.default"]
+
+
+def test_stats_recompute_all():
+    ref = run_fn(chain_fn)
+    ours = run_fn(chain_fn, torch_sac.policies.recompute_all())
+    assert_fn_equal(ours, ref, "recompute_all")
+    s = ours[3].stats()
+    assert set(s) >= {
+        "policy_calls", "saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "held_bytes",
+        "packed_kept", "packed_dropped", "unpacked_original", "replayed_ops", "replay_ns",
+    }
+    assert all(type(v) is int for v in s.values()), s
+    assert s["policy_calls"] == 5
+    assert s["saved_ops"] == 0 and s["saved_bytes"] == 0
+    assert s["dropped_ops"] == 5 and s["dropped_bytes"] == 5 * 16 * 4
+    assert s["packed_dropped"] > 0
+    # The intermediates are gone after forward (run_fn keeps only the
+    # output), so backward replays them.
+    assert s["replayed_ops"] > 0 and s["replay_ns"] > 0
+    rows = ours[3].op_summary()
+    assert [r[0] for r in rows] == CHAIN_OPS
+    by_op = {op: (saved, dropped, replayed) for op, saved, dropped, replayed in rows}
+    assert by_op["aten::mm.default"][:2] == (0, 2)
+    assert by_op["aten::sin.default"][:2] == (0, 1)
+    assert sum(r[3] for r in rows) == s["replayed_ops"]
+    for row in rows:
+        assert isinstance(row[0], str) and all(type(v) is int for v in row[1:])
+
+
+def test_stats_save_all():
+    ours = run_fn(chain_fn, torch_sac.policies.save_all())
+    assert_fn_equal(ours, run_fn(chain_fn), "save_all")
+    s = ours[3].stats()
+    assert s["policy_calls"] == 5
+    assert s["saved_ops"] == 5 and s["saved_bytes"] == 5 * 16 * 4
+    assert s["dropped_ops"] == 0 and s["dropped_bytes"] == 0
+    assert s["packed_dropped"] == 0 and s["replayed_ops"] == 0 and s["replay_ns"] == 0
+    assert s["packed_kept"] > 0
+    rows = ours[3].op_summary()
+    assert [r[0] for r in rows] == CHAIN_OPS
+    assert all(replayed == 0 and dropped == 0 for _, _, dropped, replayed in rows)
+    assert dict((r[0], r[1]) for r in rows)["aten::mm.default"] == 2
+
+
+def test_stats_save_matmuls():
+    ours = run_fn(chain_fn, torch_sac.policies.save_matmuls())
+    assert_fn_equal(ours, run_fn(chain_fn), "save_matmuls")
+    s = ours[3].stats()
+    assert (s["saved_ops"], s["dropped_ops"]) == (2, 3)
+    rows = {r[0]: r[1:] for r in ours[3].op_summary()}
+    assert rows["aten::mm.default"][:2] == (2, 0)
+    assert rows["aten::mm.default"][2] == 0, "a saved op was replayed"
+    assert rows["aten::sin.default"][:2] == (0, 1)
+
+
+def test_live_original_is_used_instead_of_replay():
+    """While the user still holds a dropped tensor, backward uses it."""
+    x, w = small_inputs()
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        a = torch.mm(x, w)
+        b = a.sin()          # saves a
+        c = b.exp()          # saves its result c
+    loss_of(c).backward()
+    s = ctx.stats()
+    assert s["unpacked_original"] == s["packed_dropped"] == 2
+    assert s["replayed_ops"] == 0
+
+
+def test_stats_before_enter_raises():
+    ctx = torch_sac.sac_context(torch_sac.policies.recompute_all())
+    with pytest.raises(RuntimeError, match="never entered"):
+        ctx.stats()
+
+
+# ==========================================================================
+# 5. Nested regions
+# ==========================================================================
+
+def nested_fn(outer_ops, inner_policy):
+    def fn(x, w):
+        a = torch.mm(x, w).sin()
+        with torch_sac.sac_context(inner_policy):
+            b = torch.mm(a, w).cos()
+            c = b.exp()
+        return torch.mm(c, w).tanh()
+    return fn
+
+
+def summary(ctx):
+    return {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
+
+
+def test_nested_must_beats_prefer():
+    outer = lambda ctx, op, *a, **k: P.MUST_SAVE if op is aten.mm.default else P.PREFER_RECOMPUTE
+    fn = nested_fn(None, torch_sac.policies.recompute_all())      # inner: PREFER_RECOMPUTE
+    ours = run_fn(fn, outer)
+    assert_fn_equal(ours, run_fn(fn), "MUST_SAVE outer / PREFER_RECOMPUTE inner")
+    rows = summary(ours[3])
+    assert rows["aten::mm.default"] == (3, 0), rows            # outer MUST_SAVE wins inside too
+    assert rows["aten::cos.default"] == (0, 1)
+
+    # And the other way round: outer PREFER_SAVE, inner MUST_RECOMPUTE for mm.
+    inner = lambda ctx, op, *a, **k: P.MUST_RECOMPUTE if op is aten.mm.default else P.PREFER_SAVE
+    fn = nested_fn(None, inner)
+    ours = run_fn(fn, torch_sac.policies.save_all())
+    assert_fn_equal(ours, run_fn(fn), "PREFER_SAVE outer / MUST_RECOMPUTE inner")
+    rows = summary(ours[3])
+    assert rows["aten::mm.default"] == (2, 1), rows            # only the inner mm is dropped
+    assert rows["aten::cos.default"] == (1, 0)
+
+
+def test_nested_innermost_prefer_wins():
+    fn = nested_fn(None, torch_sac.policies.recompute_all())
+    ours = run_fn(fn, torch_sac.policies.save_all())
+    assert_fn_equal(ours, run_fn(fn), "save_all outer / recompute_all inner")
+    rows = summary(ours[3])
+    assert rows["aten::mm.default"] == (2, 1), rows
+    assert rows["aten::cos.default"] == (0, 1) and rows["aten::exp.default"] == (0, 1)
+    assert rows["aten::sin.default"] == (1, 0) and rows["aten::tanh.default"] == (1, 0)
+
+    fn = nested_fn(None, torch_sac.policies.save_all())
+    ours = run_fn(fn, torch_sac.policies.recompute_all())
+    assert_fn_equal(ours, run_fn(fn), "recompute_all outer / save_all inner")
+    rows = summary(ours[3])
+    assert rows["aten::mm.default"] == (1, 2), rows
+    assert rows["aten::cos.default"] == (1, 0) and rows["aten::sin.default"] == (0, 1)
+
+
+def test_nested_three_levels_and_checkpoint_inside():
+    def fn(x, w):
+        with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
+            a = torch.mm(x, w).sin()
+            with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+                b = torch_sac.checkpoint(lambda t: torch.mm(t, w).cos(), a,
+                                         policy=torch_sac.policies.save_all())
+        return (a * b).exp()
+
+    ours = run_fn(fn, torch_sac.policies.recompute_all())
+    assert_fn_equal(ours, run_fn(fn), "three levels")
+    rows = summary(ours[3])
+    assert rows["aten::mm.default"] == (2, 0)
+    assert rows["aten::sin.default"] == (0, 1)
+    assert rows["aten::cos.default"] == (1, 0)
+    assert rows["aten::exp.default"] == (0, 1)
+
+
+def test_nested_conflicting_musts_raise_naming_op():
+    outer = lambda ctx, op, *a, **k: P.MUST_SAVE if op is aten.mm.default else P.PREFER_SAVE
+    inner = lambda ctx, op, *a, **k: P.MUST_RECOMPUTE
+    x, w = small_inputs()
+    with pytest.raises(RuntimeError) as excinfo:
+        with torch_sac.sac_context(outer):
+            a = x.sin()
+            with torch_sac.sac_context(inner):
+                a.cos()                    # MUST_RECOMPUTE vs PREFER_SAVE: fine
+                torch.mm(a, w)             # MUST_RECOMPUTE vs MUST_SAVE: raises
+    msg = str(excinfo.value)
+    assert "aten::mm" in msg, msg
+    assert "MUST_SAVE" in msg and "MUST_RECOMPUTE" in msg, msg
+    interceptor_off()
+    # Everything unwound: a new region works and is exact.
+    assert_fn_equal(run_fn(chain_fn, torch_sac.policies.recompute_all()), run_fn(chain_fn), "after conflict")
+
+
+def test_nested_exit_out_of_order_raises():
+    outer = torch_sac.sac_context(torch_sac.policies.recompute_all())
+    inner = torch_sac.sac_context(torch_sac.policies.save_all())
+    outer.__enter__()
+    try:
+        inner.__enter__()
+        try:
+            with pytest.raises(RuntimeError, match="reverse order"):
+                outer.__exit__(None, None, None)
+        finally:
+            inner.__exit__(None, None, None)
+    finally:
+        outer.__exit__(None, None, None)
+    interceptor_off()
+    # A context object cannot be entered twice at once, and a region after
+    # all this is exact.
+    ctx = torch_sac.sac_context(torch_sac.policies.recompute_all())
+    with ctx:
+        with pytest.raises(RuntimeError, match="already entered"):
+            ctx.__enter__()
+    interceptor_off()
+    assert_fn_equal(run_fn(chain_fn, torch_sac.policies.recompute_all()), run_fn(chain_fn), "after")
+
+
+def test_exit_on_another_thread_raises():
+    ctx = torch_sac.sac_context(torch_sac.policies.recompute_all())
+    ctx.__enter__()
+    errors = []
+
+    def other():
+        try:
+            ctx.__exit__(None, None, None)
+        except RuntimeError as e:
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    finally:
+        ctx.__exit__(None, None, None)
+    assert len(errors) == 1 and "thread" in str(errors[0])
+    interceptor_off()
+
+
+@pytest.mark.parametrize("outer_name,inner_name", [
+    ("recompute_all", "save_matmuls"),
+    ("save_all", "recompute_all"),
+    ("every_other_mm", "callable"),
+    ("save_matmuls", "save_all"),
+])
+def test_nested_per_block_regions_exact(outer_name, inner_name):
+    """A region around the whole GPT stack and a region per block inside it."""
+    def fwd(module, x):
+        with torch_sac.sac_context(policy_of(outer_name)) as ctx:
+            h = x
+            for block in module:
+                with torch_sac.sac_context(policy_of(inner_name)):
+                    h = block(h)
+        return h, ctx
+
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    torch.manual_seed(RUN_SEED)
+    out, ctx = fwd(module, x)
+    loss_of(out).backward()
+    step = Step(collect(module, x, out), torch.get_rng_state(), [ctx])
+    assert_step_equal(step, reference("gpt4"), f"outer {outer_name} / inner {inner_name}")
+
+
+# ==========================================================================
+# 6. Composition: torch.utils.checkpoint, save_on_cpu, autocast
+# ==========================================================================
+
+def block_fn(h, w):
+    return torch.mm(h, w).sin().mul(2).tanh()
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "save_all"])
+@pytest.mark.parametrize("inner", ["checkpoint", "checkpoint_torch_sac", "save_on_cpu"])
+def test_torch_machinery_inside_region(inner, policy_name):
+    def fn(x, w):
+        a = torch.mm(x, w).exp()
+        if inner == "checkpoint":
+            b = tc.checkpoint(block_fn, a, w, use_reentrant=False)
+        elif inner == "checkpoint_torch_sac":
+            ctx_fn = lambda: torch_sac.create_selective_checkpoint_contexts([aten.mm.default])
+            b = tc.checkpoint(block_fn, a, w, use_reentrant=False, context_fn=ctx_fn)
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                b = block_fn(a, w)
+        return (b * a).cos()
+
+    ref = run_fn(fn)
+    ours = run_fn(fn, policy_of(policy_name))
+    assert_fn_equal(ours, ref, f"{inner}/{policy_name}")
+
+
+def test_region_inside_torch_checkpoint():
+    def fn(x, w):
+        return tc.checkpoint(
+            lambda x, w: torch_sac.checkpoint(chain_fn, x, w, policy=torch_sac.policies.recompute_all()),
+            x, w, use_reentrant=False)
+
+    assert_fn_equal(run_fn(fn), run_fn(chain_fn), "sac region inside torch checkpoint")
+
+
+@pytest.mark.parametrize("model,mode", [("mlp", "whole"), ("gpt4", "per_block"), ("convbn", "whole")])
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
+@pytest.mark.parametrize("placement", ["autocast_inside_region", "region_inside_autocast"])
+def test_autocast(model, mode, policy_name, placement):
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    ref = run_step(model, wrap=autocast)
+    assert ref.result.out.dtype == torch.bfloat16 or model == "convbn"
+    if placement == "region_inside_autocast":
+        step = run_step(model, policy_of(policy_name), mode, wrap=autocast)
+    else:
+        # The autocast context entered inside each region.
+        builder = REGION_MODEL_BUILDERS[model]
+        module, make_input = builder()
+        x = make_input()
+        torch.manual_seed(RUN_SEED)
+        ctxs = []
+        if mode == "whole":
+            with torch_sac.sac_context(policy_of(policy_name)) as ctx, autocast():
+                out = module(x)
+            ctxs.append(ctx)
+        else:
+            out = x
+            for block in module:
+                with torch_sac.sac_context(policy_of(policy_name)) as ctx, autocast():
+                    out = block(out)
+                ctxs.append(ctx)
+        loss_of(out.float()).backward()
+        step = Step(collect(module, x, out), torch.get_rng_state(), ctxs)
+    # Replay runs the very kernels forward ran (already cast), so even in
+    # bfloat16 the results are bitwise those of the un-checkpointed run.
+    assert_step_equal(step, ref, f"autocast {placement} {model}/{policy_name}")
+    assert step.stats()["dropped_ops"] > 0
+    if policy_name == "recompute_all":
+        assert step.stats()["replayed_ops"] > 0
+
+
+# ==========================================================================
+# 7. Threads
+# ==========================================================================
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
+def test_backward_on_another_thread(policy_name):
+    ref = reference("gpt4")
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    torch.manual_seed(RUN_SEED)
+    with torch_sac.sac_context(policy_of(policy_name)) as ctx:
+        out = module(x)
+    loss = loss_of(out)
+    errors = []
+
+    def backward():
+        try:
+            loss.backward()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=backward)
+    t.start()
+    t.join()
+    assert not errors, errors
+    step = Step(collect(module, x, out), torch.get_rng_state(), [ctx])
+    assert_step_equal(step, ref, "backward on another thread")
+    if policy_name == "recompute_all":
+        assert ctx.stats()["replayed_ops"] > 0
+
+
+def test_regions_on_two_threads_at_once():
+    """Two threads, each in its own region, interleaved op by op: each region
+    records only its own thread's ops, and both results are exact."""
+    n_steps = 6
+    barrier = threading.Barrier(2, timeout=30)
+    results, errors = {}, []
+
+    def worker(name, policy, seed):
+        try:
+            x, w = small_inputs(seed)
+            with torch_sac.sac_context(policy) as ctx:
+                h = x
+                for _ in range(n_steps):
+                    barrier.wait()          # both threads are inside their region
+                    h = torch.mm(h, w).sin()
+            loss_of(h).backward()
+            results[name] = (ctx.stats(), h.detach(), x.grad.clone(), w.grad.clone())
+        except BaseException as e:
+            errors.append(e)
+            barrier.abort()
+
+    threads = [
+        threading.Thread(target=worker, args=("a", torch_sac.policies.recompute_all(), 1)),
+        threading.Thread(target=worker, args=("b", RecordingCallable(), 2)),
+    ]
+    for t in threads:
+        t.start()
+    # The main thread is outside any region while the workers run.
+    x, w = small_inputs(9)
+    torch.mm(x, w).sum()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, seed in (("a", 1), ("b", 2)):
+        stats, out, gx, gw = results[name]
+        assert stats["policy_calls"] == 2 * n_steps, (name, stats)
+        x, w = small_inputs(seed)
+        h = x
+        for _ in range(n_steps):
+            h = torch.mm(h, w).sin()
+        loss_of(h).backward()
+        assert_tensors_equal(out, h.detach(), f"thread {name}: output")
+        assert_tensors_equal(gx, x.grad, f"thread {name}: x.grad")
+        assert_tensors_equal(gw, w.grad, f"thread {name}: w.grad")
+    assert results["a"][0]["replayed_ops"] > 0
+
+
+class RecordingCallable:
+    """A Python policy saving every other op it sees, by call order."""
+
+    def __init__(self):
+        self.ops = []
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        self.ops.append(op)
+        return len(self.ops) % 2 == 0
+
+
+# ==========================================================================
+# 8. retain_graph and double backward
+# ==========================================================================
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "every_other_mm", "save_all"])
+@pytest.mark.parametrize("model", ["gpt4", "convbn", "lstm_loop"])
+def test_retain_graph_second_backward_replays_again(model, policy_name):
+    def run(policy):
+        module, make_input = REGION_MODEL_BUILDERS[model]()
+        x = make_input()
+        torch.manual_seed(RUN_SEED)
+        ctxs = []
+        out = forward_in_region(module, x, policy, "whole", contexts=ctxs)
+        loss = loss_of(out)
+        loss.backward(retain_graph=True)
+        first = collect(module, x, out)
+        loss.backward()
+        return first, collect(module, x, out), ctxs
+
+    ref1, ref2, _ = run(None)
+    ours1, ours2, ctxs = run(policy_of(policy_name))
+    assert_grads_equal(ours1, ref1, "first backward")
+    assert_grads_equal(ours2, ref2, "second backward")
+    for name, g in ours2.param_grads.items():
+        assert_tensors_equal(g, 2 * ours1.param_grads[name], f"{name}: 2x after two backwards")
+    assert_buffers_equal(ours2, ref2, "buffers")
+    if policy_name == "recompute_all":
+        stats = ctxs[0].stats()
+        replayed_once = stats["replayed_ops"]
+        assert replayed_once > 0
+
+
+def test_retain_graph_second_backward_exact_2x():
+    x, w = small_inputs()
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        out = chain_fn(x, w)
+    loss = loss_of(out)
+    loss.backward(retain_graph=True)
+    once = ctx.stats()["replayed_ops"]
+    g1 = (x.grad.clone(), w.grad.clone())
+    loss.backward()
+    assert once > 0
+    assert ctx.stats()["replayed_ops"] > once, "second backward did not replay"
+    assert_tensors_equal(x.grad, 2 * g1[0], "x.grad")
+    assert_tensors_equal(w.grad, 2 * g1[1], "w.grad")
+
+
+def test_retain_graph_second_backward_costs_no_more_than_first():
+    x = torch.randn(4, 4, requires_grad=True)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        h = x
+        for _ in range(20):
+            h = h.sin()
+    loss = h.sum()
+    loss.backward(retain_graph=True)
+    first = ctx.stats()["replayed_ops"]
+    loss.backward()
+    second = ctx.stats()["replayed_ops"] - first
+    assert first == 19
+    assert second == first, f"first backward replayed {first} ops, the second {second}"
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "callable", "save_all"])
+@pytest.mark.parametrize("model", ["mlp", "gpt4", "lstm_loop"])
+def test_double_backward_gradient_penalty(model, policy_name):
+    def run(policy):
+        module, make_input = REGION_MODEL_BUILDERS[model]()
+        x = make_input()
+        torch.manual_seed(RUN_SEED)
+        ctxs = []
+        out = forward_in_region(module, x, policy, "whole", contexts=ctxs)
+        (gx,) = torch.autograd.grad(loss_of(out), x, create_graph=True)
+        penalty = gx.pow(2).sum() + out.pow(2).mean()
+        penalty.backward()
+        return collect(module, x, out), gx.detach().clone(), ctxs
+
+    ref, gx_ref, _ = run(None)
+    ours, gx_ours, ctxs = run(policy_of(policy_name))
+    assert_tensors_equal(gx_ours, gx_ref, "first-order input grad")
+    assert_grads_equal(ours, ref, f"gradient penalty {model}/{policy_name}")
+    if policy_name == "recompute_all":
+        assert ctxs[0].stats()["replayed_ops"] > 0
+
+
+# ==========================================================================
+# 9. Errors leave no state behind
+# ==========================================================================
+
+class PolicyBoom(Exception):
+    pass
+
+
+class RegionBoom(Exception):
+    pass
+
+
+def assert_fresh_region_works():
+    interceptor_off()
+    counting = RecordingCallable()
+    ours = run_fn(chain_fn, counting)
+    assert len(counting.ops) == 5
+    assert_fn_equal(ours, run_fn(chain_fn), "a new region after the error")
+    interceptor_off()
+
+
+def assert_not_intercepted(policy_ops):
+    """Plain forward+backward after the error: the old policy sees nothing."""
+    before = len(policy_ops)
+    x, w = small_inputs(1)
+    chain_fn(x, w).sum().backward()
+    assert len(policy_ops) == before
+
+
+def test_policy_exception_propagates():
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(op)
+        if op is aten.sin.default:
+            raise PolicyBoom("boom from policy")
+        return P.PREFER_RECOMPUTE
+
+    x, w = small_inputs()
+    with pytest.raises(PolicyBoom, match="boom from policy"):
+        with torch_sac.sac_context(policy):
+            chain_fn(x, w)
+    assert seen == [aten.mm.default, aten.sin.default]
+    interceptor_off()
+    assert_not_intercepted(seen)
+    assert_fresh_region_works()
+
+
+def test_policy_exception_via_checkpoint_function():
+    def policy(ctx, op, *args, **kwargs):
+        raise PolicyBoom("boom")
+
+    x, w = small_inputs()
+    with pytest.raises(PolicyBoom):
+        torch_sac.checkpoint(chain_fn, x, w, policy=policy)
+    assert_fresh_region_works()
+
+
+def test_exception_inside_region():
+    seen = RecordingCallable()
+    x, w = small_inputs()
+    with pytest.raises(RegionBoom):
+        with torch_sac.sac_context(seen):
+            torch.mm(x, w).sin()
+            raise RegionBoom("boom from region")
+    assert len(seen.ops) == 2
+    interceptor_off()
+    assert_not_intercepted(seen.ops)
+    assert_fresh_region_works()
+
+
+def test_exception_inside_nested_region():
+    seen = RecordingCallable()
+    x, w = small_inputs()
+    with pytest.raises(RegionBoom):
+        with torch_sac.sac_context(seen):
+            with torch_sac.sac_context(torch_sac.policies.save_all()):
+                torch.mm(x, w).sin()
+                raise RegionBoom("boom")
+    interceptor_off()
+    assert_not_intercepted(seen.ops)
+    assert_fresh_region_works()
+
+
+class Garbage:
+    def __repr__(self):
+        return "<Garbage 42>"
+
+
+@pytest.mark.parametrize("bad", [None, "MUST_SAVE", 1, 2.5, Garbage()], ids=["None", "str", "int", "float", "object"])
+def test_policy_returning_garbage_raises_type_error(bad):
+    def policy(ctx, op, *args, **kwargs):
+        return bad if op is aten.sin.default else P.PREFER_RECOMPUTE
+
+    x, w = small_inputs()
+    with pytest.raises(TypeError) as excinfo:
+        with torch_sac.sac_context(policy):
+            chain_fn(x, w)
+    msg = str(excinfo.value)
+    assert "aten::sin" in msg or "aten.sin" in msg, msg
+    assert repr(bad) in msg, msg
+    assert_fresh_region_works()
+
+
+@pytest.mark.parametrize("bad", [42, "recompute", None])
+def test_bad_policy_argument_raises_before_entering(bad):
+    with pytest.raises(TypeError, match="policy"):
+        torch_sac.sac_context(bad)
+    with pytest.raises(TypeError):
+        torch_sac.sac_context(torch_sac.policies.save_all(), allow_cache_entry_mutation="yes")
+    interceptor_off()
+
+
+def test_outside_tensor_modified_before_backward_raises():
+    """A tensor from outside the region that a replayed op needs, modified in
+    place before backward. Plain autograd would not need it here (add does
+    not save its inputs): only the replay does, and it must refuse."""
+    x, _ = small_inputs()
+    c = torch.randn(4, 4)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        h = x + c            # dropped; replaying it needs c
+        y = h.sin()          # saves h
+    del h
+    c.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as excinfo:
+        y.sum().backward()
+    assert "add" in str(excinfo.value)
+    interceptor_off()
+
+
+def test_outside_tensor_saved_by_autograd_modified_raises():
+    """The same with a tensor autograd itself saves (mm saves both operands)."""
+    x, w = small_inputs()
+    w2 = w * 1.0
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        y = torch.mm(x, w2).sin()
+    w2.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_dropped_tensor_modified_after_save_raises_like_autograd():
+    """The region does not hide autograd's own version check for a dropped
+    tensor that was modified after it was saved."""
+    x, w = small_inputs()
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        a = torch.mm(x, w)
+        b = a.sin()          # saves a (dropped)
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+    # Plain autograd agrees.
+    x, w = small_inputs()
+    a = torch.mm(x, w)
+    b = a.sin()
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+
+
+def saved_then_mutated(allow):
+    """mm is saved, exp (which only saves its result) is dropped; replaying
+    exp needs mm's output, which is then modified in place."""
+    x, w = small_inputs()
+    policy = [aten.mm.default]
+    with torch_sac.sac_context(policy, allow_cache_entry_mutation=allow) as ctx:
+        h = torch.mm(x, w)
+        y = h.exp()
+        z = y.cos()          # saves y: dropped
+    del y
+    with torch.no_grad():
+        h.mul_(2)            # plain autograd would not mind: nothing saved h
+    z.sum().backward()
+    return x, w, ctx
+
+
+def test_saved_output_mutated_before_backward_raises():
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as excinfo:
+        saved_then_mutated(allow=False)
+    msg = str(excinfo.value)
+    assert "aten::exp" in msg, msg
+    assert "allow_cache_entry_mutation" in msg, msg
+    interceptor_off()
+
+
+def test_saved_output_mutated_allowed():
+    x, w, ctx = saved_then_mutated(allow=True)
+    assert ctx.stats()["replayed_ops"] > 0
+    # The replay used the modified value: grads are those of cos(exp(2 * mm)) through exp's result.
+    h = torch.mm(x.detach(), w.detach()) * 2
+    y = h.exp()
+    gy = -torch.sin(y)
+    gh = gy * y
+    assert torch.allclose(x.grad, gh @ w.detach().t())
+    assert torch.allclose(w.grad, x.detach().t() @ gh)
+
+
+# ==========================================================================
+# 10. Grad disabled, inference mode
+# ==========================================================================
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_grad_disabled_records_nothing(mode, where):
+    guard = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    seen = RecordingCallable()
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    torch.manual_seed(RUN_SEED)
+    with torch.no_grad():
+        expected = module(x)
+    torch.manual_seed(RUN_SEED)
+    if where == "outside":
+        with guard(), torch_sac.sac_context(seen) as ctx:
+            out = module(x)
+    else:
+        with torch_sac.sac_context(seen) as ctx, guard():
+            out = module(x)
+    assert seen.ops == []
+    s = ctx.stats()
+    assert s["policy_calls"] == 0 and s["dropped_ops"] == 0 and s["saved_ops"] == 0, s
+    assert_tensors_equal(out, expected, "output")
+    interceptor_off()
+
+
+def test_grad_disabled_part_of_region():
+    """Ops under no_grad in a region are not recorded; the rest is, and
+    backward is exact."""
+    def fn(x, w):
+        with torch.no_grad():
+            scale = torch.mm(x, w).abs().max()
+        return (torch.mm(x, w) / scale).sin().exp()
+
+    seen = RecordingCallable()
+    ours = run_fn(fn, seen)
+    assert_fn_equal(ours, run_fn(fn), "partly no_grad")
+    assert [str(op) for op in seen.ops] == ["aten.mm.default", "aten.div.Tensor", "aten.sin.default", "aten.exp.default"]
+
+
+# ==========================================================================
+# 11. Memory: what the region drops is gone, what it holds is freed with the graph
+# ==========================================================================
+
+def storage_ref(t):
+    return StorageWeakRef(t.untyped_storage())
+
+
+def test_dropped_intermediate_is_freed_after_forward():
+    """With recompute_all, an intermediate autograd saved is not kept alive
+    once the user drops it (without a region, the graph keeps it)."""
+    def forward(policy):
+        x, w = small_inputs()
+        ctx = torch_sac.sac_context(policy) if policy is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            a = torch.mm(x, w)
+            b = a.sin()            # saves a
+            c = b.exp()            # saves its result c
+            d = c.tanh()           # saves its result d
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        refs = [storage_ref(a), storage_ref(c)]
+        del a, b, c
+        gc.collect()
+        return x, w, d, refs, ctx
+
+    # Plain autograd keeps both saved intermediates alive.
+    _, _, d, refs, _ = forward(None)
+    assert not any(r.expired() for r in refs)
+    del d
+
+    x, w, d, refs, ctx = forward(torch_sac.policies.recompute_all())
+    assert all(r.expired() for r in refs), "a dropped intermediate is still alive after forward"
+    loss_of(d).backward()
+    assert ctx.stats()["replayed_ops"] >= 3   # mm, sin and exp rebuilt
+    x_ref, w_ref = small_inputs()
+    loss_of(torch.mm(x_ref, w_ref).sin().exp().tanh()).backward()
+    assert_tensors_equal(x.grad, x_ref.grad, "x.grad")
+    assert_tensors_equal(w.grad, w_ref.grad, "w.grad")
+
+
+def test_saved_output_is_kept():
+    """save_all keeps what autograd saved, like plain autograd."""
+    x, w = small_inputs()
+    with torch_sac.sac_context(torch_sac.policies.save_all()):
+        a = torch.mm(x, w)
+        b = a.sin()
+    ref = storage_ref(a)
+    del a
+    gc.collect()
+    assert not ref.expired()
+    del b
+    gc.collect()
+    assert ref.expired()
+
+
+def held_by_region():
+    """A region where a replay needs a tensor nothing else holds: mm is
+    saved, exp (which saves only its result) is dropped, so only the region
+    keeps mm's output, for replaying exp. Also the input x, which only the
+    region holds (for replaying sin)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g)     # needs no grad: autograd saves nothing of it
+    w = torch.randn(4, 4, generator=g).requires_grad_(True)
+    ctx = torch_sac.sac_context([aten.mm.default])
+    with ctx:
+        s = x.sin()                # dropped, needs x to replay
+        h = torch.mm(s, w)         # saved (autograd saves s: a reference)
+        y = h.exp()                # dropped, needs h to replay
+        out = y.cos()              # saves y: a reference
+    refs = {"x": storage_ref(x), "mm output": storage_ref(h), "sin output": storage_ref(s)}
+    del x, s, h, y
+    gc.collect()
+    return w, out, ctx, refs
+
+
+_HELD_AFTER_GRAPH_FREED = (
+    "engine: a kept sac_context object (as in the docstring's "
+    "`region.stats()` after backward) keeps its _C.Region alive, and with it "
+    "every tensor in the tape (ArgSlot.held: inputs from outside and SAVE "
+    "outputs used by dropped ops, plus the BatchNorm running-stat copies) "
+    "after the autograd graph was freed")
+
+
+def test_region_holds_what_replay_needs_while_graph_lives():
+    w, out, ctx, refs = held_by_region()
+    assert refs["sin output"].expired(), "the dropped sin output is still alive"
+    assert not refs["x"].expired() and not refs["mm output"].expired()
+    out.sum().backward(retain_graph=True)   # replays sin and exp
+    assert ctx.stats()["replayed_ops"] >= 2
+    assert not refs["x"].expired() and not refs["mm output"].expired()
+
+
+def test_region_state_freed_with_the_graph():
+    w, out, ctx, refs = held_by_region()
+    del out, ctx
+    gc.collect()
+    dead = {k: r.expired() for k, r in refs.items()}
+    assert all(dead.values()), f"still alive after the graph and the context were freed: {dead}"
+
+
+def test_region_state_freed_after_backward():
+    """After a backward that frees the graph, the tensors the region held
+    for replay are freed, and the stats stay readable."""
+    w, out, ctx, refs = held_by_region()
+    out.sum().backward()
+    del out
+    gc.collect()
+    assert ctx.stats()["replayed_ops"] >= 2
+    dead = {k: r.expired() for k, r in refs.items()}
+    assert all(dead.values()), f"still alive after backward freed the graph: {dead}"
+
+
+def test_region_state_freed_with_the_graph_while_context_is_kept():
+    w, out, ctx, refs = held_by_region()
+    del out
+    gc.collect()
+    dead = {k: r.expired() for k, r in refs.items()}
+    assert ctx.stats()["policy_calls"] == 4
+    assert all(dead.values()), f"still alive after the graph was freed: {dead}"
+
+
+def _train_steps(n, policy_name, model="mlp"):
+    module, make_input = REGION_MODEL_BUILDERS[model]()
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    for _ in range(n):
+        x = make_input()
+        with torch_sac.sac_context(policy_of(policy_name)):
+            out = module(x)
+        loss_of(out).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return module
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "callable"])
+def test_no_python_object_growth_over_many_steps(policy_name):
+    _train_steps(20, policy_name)   # warm up caches (op handles, policy tables)
+    gc.collect()
+    before = len(gc.get_objects())
+    _train_steps(300, policy_name)
+    gc.collect()
+    after = len(gc.get_objects())
+    # The module and optimizer of the last run are gone again; allow a few
+    # objects of slack for interpreter caches, never per-step growth.
+    assert after - before < 100, f"{after - before} more gc-tracked objects after 300 steps"
+
+
+@pytest.mark.parametrize("model,policy_name", [("convbn", "save_matmuls"), ("lstm_loop", "recompute_all")])
+def test_no_tensor_memory_growth_over_many_steps(model, policy_name):
+    memory = pytest.importorskip("torch_sac.memory")
+    if not hasattr(memory, "install_counting_allocator") or not hasattr(memory, "cpu_memory_stats"):
+        pytest.skip("torch_sac.memory has no counting allocator API")
+    memory.install_counting_allocator()
+    module, make_input = REGION_MODEL_BUILDERS[model]()
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def steps(n):
+        for _ in range(n):
+            x = make_input()
+            with torch_sac.sac_context(policy_of(policy_name)):
+                out = module(x)
+            loss_of(out).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps(5)
+    gc.collect()
+    before = memory.cpu_memory_stats()["allocated"]
+    steps(100)
+    gc.collect()
+    after = memory.cpu_memory_stats()["allocated"]
+    assert after <= before, f"{after - before} more bytes live after 100 steps"
