@@ -30,6 +30,12 @@ class OpPolicy {
   // Called once per intercepted op in forward, never during recompute.
   virtual Policy decide(const OpCall& call) = 0;
   virtual std::string describe() const = 0;
+  // Whether decide() reads OpCall::call_index. Callers that have no region
+  // to count calls in (e.g. a policy_fn handed to PyTorch's own SAC, see
+  // torch_sac/_torch_policy.py) must then count them per region themselves.
+  virtual bool needs_call_index() const {
+    return false;
+  }
 };
 
 } // namespace torch_sac
