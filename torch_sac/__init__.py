@@ -11,12 +11,15 @@ from . import _C, policies
 from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
+from .scopes import name
+from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
 
 __all__ = [
     "IGNORED_OPS",
     "Policy",
     "adapter",
     "create_selective_checkpoint_contexts",
+    "name",
     "policies",
 ]
 

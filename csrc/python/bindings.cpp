@@ -9,6 +9,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
+#include "policy_library.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
 
@@ -82,4 +83,7 @@ PYBIND11_MODULE(_C, m) {
     }
     return names;
   });
+
+  // Policy library: named scopes, save_by_name, OpPolicy.to_torch() bridge.
+  python::register_policy_library(m);
 }
