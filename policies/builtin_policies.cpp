@@ -4,6 +4,7 @@
 
 #include <sstream>
 
+#include "csrc/core/name_scope.h"
 #include "csrc/core/op_name.h"
 
 namespace torch_sac::policies {
@@ -61,12 +62,80 @@ class EveryNthPolicy final : public OpPolicy {
   std::string describe() const override {
     return "every_nth(" + matcher_.describe() + ", n=" + std::to_string(n_) + ")";
   }
+  bool needs_call_index() const override {
+    return true;
+  }
 
  private:
   OpMatcher matcher_;
   int64_t n_;
 };
 
+// Ops a scope-based policy must not save although they run in a listed scope:
+// - random ops: recompute re-runs the region from the restored RNG state, so
+//   a random op that is skipped (served from the cache) shifts the RNG stream
+//   of every random op recomputed after it, silently changing their values;
+// - ops that write to an argument (in-place, out=): autograd bumps the
+//   version counter of the written tensor only after the op returns to it,
+//   so the cached output would always look mutated after caching (PyTorch's
+//   SAC has the same property), and whatever produced the tensor must be
+//   re-run anyway;
+// - uninitialized allocations (empty*): their output is filled in place by
+//   the next ops, so a cached entry would always be a mutated one, and
+//   saving it saves no compute.
+bool never_saved_in_scope(const c10::OperatorHandle& op) {
+  static const OpMatcher allocations({
+      {"aten::empty", std::nullopt},
+      {"aten::empty_like", std::nullopt},
+      {"aten::empty_strided", std::nullopt},
+      {"aten::empty_permuted", std::nullopt},
+      {"aten::new_empty", std::nullopt},
+      {"aten::new_empty_strided", std::nullopt},
+  });
+  return op.hasTag(at::Tag::nondeterministic_seeded) || op.schema().is_mutable() ||
+      allocations.matches(op.operator_name());
+}
+
+class SaveByNamePolicy final : public OpPolicy {
+ public:
+  explicit SaveByNamePolicy(const std::vector<std::string>& names) {
+    for (const auto& name : names) {
+      const NameId id = intern_name(name);
+      if (static_cast<size_t>(id) >= listed_.size()) {
+        listed_.resize(id + 1, false);
+      }
+      if (!listed_[id]) {
+        listed_[id] = true;
+        names_.push_back(name);
+      }
+    }
+  }
+  Policy decide(const OpCall& call) override {
+    for (const NameId id : active_names()) {
+      if (static_cast<size_t>(id) < listed_.size() && listed_[id]) {
+        return never_saved_in_scope(call.op) ? Policy::PreferRecompute : Policy::MustSave;
+      }
+    }
+    return Policy::PreferRecompute;
+  }
+  bool needs_values() const override {
+    return false;
+  }
+  std::string describe() const override {
+    std::string out = "save_by_name(";
+    const char* sep = "";
+    for (const auto& name : names_) {
+      out += sep;
+      out += "'" + name + "'";
+      sep = ", ";
+    }
+    return out + ")";
+  }
+
+ private:
+  std::vector<bool> listed_;        // by NameId
+  std::vector<std::string> names_;  // in the order given, without repeats
+};
 
 } // namespace
 
@@ -146,6 +215,10 @@ std::shared_ptr<OpPolicy> save_matmuls() {
 std::shared_ptr<OpPolicy> every_nth(const std::vector<OpPattern>& ops, int64_t n) {
   TORCH_CHECK_VALUE(n >= 1, "torch_sac: every_nth needs n >= 1, got ", n);
   return std::make_shared<EveryNthPolicy>(ops, n);
+}
+
+std::shared_ptr<OpPolicy> save_by_name(const std::vector<std::string>& names) {
+  return std::make_shared<SaveByNamePolicy>(names);
 }
 
 } // namespace torch_sac::policies

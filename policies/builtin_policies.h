@@ -49,4 +49,16 @@ const std::vector<OpPattern>& matmul_ops();
 // the policy holds no counter and recompute cannot shift it.
 std::shared_ptr<OpPolicy> every_nth(const std::vector<OpPattern>& ops, int64_t n);
 
+// MUST_SAVE for ops that run while at least one of the named scopes is open
+// on the dispatching thread (csrc/core/name_scope.h; any enclosing scope
+// counts, not only the innermost), PREFER_RECOMPUTE for the rest. JAX's
+// save_only_these_names, with names on regions of code. Reads the
+// thread-local scope stack: a few integer compares per op, no Python.
+// Inside a listed scope, random ops (tag nondeterministic_seeded), ops that
+// write to an argument (in-place, out=) and uninitialized allocations
+// (aten::empty*) are still recomputed: caching a random op while a later one
+// is recomputed would shift the RNG stream of the recompute, and the others'
+// cached outputs would always be mutated after caching (see the .cpp).
+std::shared_ptr<OpPolicy> save_by_name(const std::vector<std::string>& names);
+
 } // namespace torch_sac::policies

@@ -12,6 +12,8 @@ from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .region import checkpoint, sac_context
+from .scopes import name
+from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
 
 __all__ = [
     "IGNORED_OPS",
@@ -20,6 +22,7 @@ __all__ = [
     "checkpoint",
     "create_selective_checkpoint_contexts",
     "memory",
+    "name",
     "policies",
     "sac_context",
 ]

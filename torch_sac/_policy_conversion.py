@@ -1,6 +1,7 @@
 """Turns what users pass as a policy into a C++ OpPolicy."""
 
 from . import _C
+from ._torch_policy import TorchPolicy
 from .policies import save_ops
 
 __all__ = ["as_op_policy"]
@@ -10,6 +11,9 @@ def as_op_policy(policy, where):
     """A C++ policy from a built-in policy, a list of ops or a callable."""
     if isinstance(policy, _C.OpPolicy):
         return policy
+    if isinstance(policy, TorchPolicy):
+        # policy.to_torch() handed back to torch_sac: use the policy itself.
+        return policy.policy
     if isinstance(policy, (list, tuple)):
         return save_ops(list(policy))
     if callable(policy):

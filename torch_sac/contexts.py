@@ -1,5 +1,8 @@
 """A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
 
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
 from . import _C
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
@@ -39,6 +42,16 @@ class _SelectiveContext:
         """
         return self._state.op_summary()
 
+    def saved_calls(self):
+        """The calls whose outputs forward cached: ``[(op, call_index), ...]``.
+
+        ``op`` is the OpOverload, ``call_index`` counts that op's calls in the
+        region from 0 (ops in :data:`torch_sac.IGNORED_OPS` are not counted),
+        as PyTorch's SAC keys its cache. Ordered by first call of each op,
+        then by call index.
+        """
+        return self._state.saved_calls()
+
 
 def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mutation=False):
     """Contexts for selective activation checkpointing, run by torch_sac's C++ core.
@@ -74,6 +87,11 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
         >>> y = torch.utils.checkpoint.checkpoint(
         ...     fn, x, use_reentrant=False, context_fn=ctx_fn)
 
+    Under ``torch.compile``, the contexts are PyTorch's own, answered by
+    the policy's ``.to_torch()`` (see ``torch_sac.policies``): the
+    compiled graph is partitioned by the same choices, and ``stats()`` is not
+    available there.
+
     Caveats:
         The policy is called once per op in forward, after the op ran, and
         never during recompute. Ops in :data:`torch_sac.IGNORED_OPS` never
@@ -87,6 +105,12 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             f"allow_cache_entry_mutation must be a bool, got {allow_cache_entry_mutation!r}"
         )
     policy = as_op_policy(policy_fn_or_list, "create_selective_checkpoint_contexts")
+    if torch.compiler.is_compiling():
+        # torch.compile calls context_fn while AOTAutograd traces the region
+        # and needs PyTorch's own modes there (it turns their decisions into
+        # partitioner tags); the same policy answers them via to_torch().
+        return _torch_checkpoint.create_selective_checkpoint_contexts(
+            policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation)
     state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
     return (
         _SelectiveContext(state, state.caching),

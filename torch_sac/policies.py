@@ -1,6 +1,10 @@
 """Built-in policies, decided in C++ without calling into Python.
 
-Each returns an object accepted wherever torch_sac takes a policy.
+Each returns a policy object (``torch_sac._C.OpPolicy``) accepted wherever
+torch_sac takes a policy. ``policy.to_torch()`` turns any of them into a
+``policy_fn`` for PyTorch's own
+:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` (also
+under ``torch.compile``) that makes the same choices.
 """
 
 from collections.abc import Iterable
@@ -9,7 +13,7 @@ import torch
 
 from . import _C
 
-__all__ = ["save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth"]
+__all__ = ["save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name"]
 
 
 def _op_patterns(ops, where):
@@ -79,3 +83,50 @@ def every_nth(ops, n):
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"torch_sac.every_nth: n must be an int, got {n!r}")
     return _C.every_nth(_op_patterns(ops, "every_nth"), n)
+
+
+def save_by_name(*names):
+    r"""Save the outputs of ops run inside the named scopes, recompute the rest.
+
+    JAX's ``save_only_these_names`` for torch_sac: an op is saved
+    (``MUST_SAVE``) when at least one scope opened with
+    :func:`torch_sac.name` and listed here is open on the thread that runs
+    it; any enclosing scope counts, not only the innermost. Every other op
+    gets ``PREFER_RECOMPUTE``. The decision is made in C++ from the
+    thread-local scope stack, with no Python call per op.
+
+    Args:
+        *names (str): scope names, or one list/tuple/set of them. No names
+            saves nothing (like :func:`recompute_all`).
+
+    Example:
+        >>> # xdoctest: +SKIP
+        >>> def block(x):
+        >>>     with torch_sac.name("attn_out"):
+        >>>         a = attention(x)
+        >>>     return mlp(a)
+        >>>
+        >>> policy = torch_sac.policies.save_by_name("attn_out")
+        >>> ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
+        >>> y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=ctx_fn)
+
+    .. note::
+        Inside a listed scope, random ops (dropout, ``rand*``, ``bernoulli_``),
+        ops that write to an argument (in-place, ``out=``) and ``empty*``
+        allocations are still recomputed: serving a random op from the cache
+        would shift the RNG stream of the random ops recomputed after it, and
+        the others' cached outputs would always trip the mutation check.
+        Every other op in the scope is saved, views and cheap pointwise ops
+        included: put the scope tightly around the ops worth keeping.
+    """
+    if len(names) == 1 and isinstance(names[0], (list, tuple, set, frozenset)):
+        names = tuple(names[0])
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(
+                f"torch_sac.save_by_name: scope names must be str, got {n!r} "
+                f"(type {type(n).__name__})"
+            )
+        if not n:
+            raise ValueError("torch_sac.save_by_name: scope names must be non-empty strings")
+    return _C.save_by_name(list(names))

@@ -35,6 +35,12 @@ class OpPolicy {
   virtual bool needs_values() const {
     return true;
   }
+  // Whether decide() reads OpCall::call_index. Callers that have no region
+  // to count calls in (e.g. a policy_fn handed to PyTorch's own SAC, see
+  // torch_sac/_torch_policy.py) must then count them per region themselves.
+  virtual bool needs_call_index() const {
+    return false;
+  }
 };
 
 } // namespace torch_sac

@@ -210,6 +210,19 @@ std::vector<OpSummary> SelectiveCache::summary() const {
   return out;
 }
 
+std::vector<std::pair<c10::OperatorHandle, int64_t>> SelectiveCache::saved_calls() const {
+  std::vector<std::pair<c10::OperatorHandle, int64_t>> out;
+  for (const auto& op : first_seen_order_) {
+    const auto& entries = records_.at(op).entries;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].state != EntryState::Recompute) {
+        out.emplace_back(op, static_cast<int64_t>(i));
+      }
+    }
+  }
+  return out;
+}
+
 SelectiveCheckpoint make_selective_checkpoint(
     std::shared_ptr<OpPolicy> policy,
     bool allow_cache_entry_mutation) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "interceptor.h"
@@ -66,6 +67,9 @@ class SelectiveCache {
   }
   // Per-op counts (ignored ops left out), in the order ops were first seen.
   std::vector<OpSummary> summary() const;
+  // (op, call index) of every call whose outputs forward cached, in the
+  // order ops were first seen, then by call index.
+  std::vector<std::pair<c10::OperatorHandle, int64_t>> saved_calls() const;
 
  private:
   std::unordered_map<c10::OperatorHandle, OpRecord> records_;

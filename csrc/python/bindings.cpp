@@ -12,6 +12,7 @@
 #include "csrc/core/region/region.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
+#include "policy_library.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
 
@@ -141,4 +142,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("is_open", &PeakWindow::is_open)
       .def("close", &PeakWindow::close);
   // ---- end memory measurement -------------------------------------------
+
+  // Policy library: named scopes, save_by_name, OpPolicy.to_torch() bridge.
+  python::register_policy_library(m);
 }

@@ -142,6 +142,10 @@ void register_handler_mode_base(py::module_& m) {
   m.add_object("HandlerModeBase", py::reinterpret_steal<py::object>(type));
 }
 
+std::optional<c10::OperatorHandle> operator_for(PyObject* func) {
+  return resolve(func).op;
+}
+
 py::object overload_for(const c10::OperatorHandle& op) {
   static auto* cache = new std::unordered_map<c10::OperatorHandle, py::object>();
   auto it = cache->find(op);

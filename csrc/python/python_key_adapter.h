@@ -19,4 +19,8 @@ void register_handler_mode_base(pybind11::module_& m);
 // The OpOverload object for an operator (torch.ops.ns.name.overload), cached.
 pybind11::object overload_for(const c10::OperatorHandle& op);
 
+// The dispatcher operator behind an OpOverload object (cached per object);
+// unset for callables that are not dispatcher operators (HigherOrderOperators).
+std::optional<c10::OperatorHandle> operator_for(PyObject* func);
+
 } // namespace torch_sac::python

@@ -1341,3 +1341,49 @@ def test_no_tensor_memory_growth_over_many_steps(model, policy_name):
     gc.collect()
     after = memory.cpu_memory_stats()["allocated"]
     assert after <= before, f"{after - before} more bytes live after 100 steps"
+
+
+# ==========================================================================
+# 12. Built-in policies that look beyond the op: names and call indices
+# ==========================================================================
+
+def test_save_by_name_in_region():
+    """Ops inside a named scope are kept, the rest replayed; gradients exact."""
+    def block(x, w):
+        with torch_sac.name("proj"):
+            h = torch.mm(x, w).relu()
+        return torch.mm(h.sin(), w).sum()
+
+    def grads(policy):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 8, generator=g, requires_grad=True)
+        w = torch.randn(8, 8, generator=g, requires_grad=True)
+        if policy is None:
+            out = block(x, w)
+            ctx = None
+        else:
+            with torch_sac.sac_context(policy) as ctx:
+                out = block(x, w)
+        out.backward()
+        return x.grad, w.grad, ctx
+
+    ref = grads(None)
+    gx, gw, ctx = grads(torch_sac.policies.save_by_name("proj"))
+    assert_tensors_equal(gx, ref[0], "x.grad")
+    assert_tensors_equal(gw, ref[1], "w.grad")
+    rows = {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
+    assert rows["aten::mm.default"] == (1, 1)   # the mm in the scope saved, the other dropped
+    assert rows["aten::relu.default"] == (1, 0)
+    assert rows["aten::sin.default"] == (0, 1)
+
+
+def test_every_nth_counts_calls_in_the_region():
+    policy = torch_sac.policies.every_nth([aten.mm], 2)
+    x = torch.randn(4, 4, requires_grad=True)
+    with torch_sac.sac_context(policy) as ctx:
+        h = x
+        for _ in range(5):
+            h = torch.mm(h, x).tanh()
+    h.sum().backward()
+    rows = {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
+    assert rows["aten::mm.default"] == (3, 2)   # calls 0, 2, 4
