@@ -11,6 +11,9 @@
 #include "policies/builtin_policies.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
+// --- budget planner (branch budget) ---
+#include "budget_bindings.h"
+// --- end budget planner ---
 
 namespace py = pybind11;
 using namespace torch_sac;
@@ -82,4 +85,8 @@ PYBIND11_MODULE(_C, m) {
     }
     return names;
   });
+
+  // --- budget planner (branch budget) ---
+  python::register_budget(m);
+  // --- end budget planner ---
 }
