@@ -79,3 +79,10 @@ def every_nth(ops, n):
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"torch_sac.every_nth: n must be an int, got {n!r}")
     return _C.every_nth(_op_patterns(ops, "every_nth"), n)
+
+
+# --- budget planner (branch budget) ---------------------------------------
+from ._budget import BudgetPolicy, budget  # noqa: E402
+
+__all__ += ["budget", "BudgetPolicy"]
+# --- end budget planner -----------------------------------------------------
