@@ -659,12 +659,13 @@ ExactResult solve_exact(
         }
       }
       merged.swap(next);
+      if (result.states + static_cast<int64_t>(merged.size()) > max_states) {
+        result.states += static_cast<int64_t>(merged.size());
+        result.finished = false;
+        return result;
+      }
     }
     result.states += static_cast<int64_t>(merged.size());
-    if (result.states > max_states) {
-      result.finished = false;
-      return result;
-    }
     // The most valuable state is feasible: a new incumbent?
     State& top = merged.back();
     if (top.v + base_v > lb) {
@@ -810,7 +811,11 @@ Solution solve(const Problem& problem, const Options& options) {
   Assignment chosen = greedy;
   sol.method = Method::Greedy;
   bool proven = false;
-  if (method == Method::Exact) {
+  const bool greedy_is_optimal = r.exact && greedy.v >= lp - tolerance(lp);
+  if (method == Method::Exact && greedy_is_optimal) {
+    sol.method = Method::Exact;  // the LP bound proves the greedy solution optimal
+    proven = true;
+  } else if (method == Method::Exact) {
     ExactResult exact = solve_exact(r, capacity, greedy, options.max_states);
     sol.states = exact.states;
     if (exact.finished) {

@@ -67,7 +67,7 @@ struct Options {
   Method method = Method::Auto;
   // Exact: the most DP states it may generate in total. Auto falls back to
   // greedy when this is exceeded; Exact raises.
-  int64_t max_states = 5'000'000;
+  int64_t max_states = 2'000'000;
   // Auto goes straight to greedy above this many items.
   int64_t auto_exact_max_items = 100'000;
   // A component is enumerated exactly when it has at most this many storages

@@ -434,3 +434,27 @@ def test_exact_solver_gives_up_clearly():
     sol = torch_sac._C.budget_solve(storage_bytes, values, item_storages, cap, "auto", max_states=5)
     assert sol["method"] == "greedy" and "gave up" in sol["note"]
     assert sol["bytes"] <= cap
+
+
+def test_a_view_whose_base_is_mutated_later_is_not_saved():
+    """Saving such a view would hand the mutated values back to recompute and
+    silently corrupt gradients (the cache's version check cannot see it: the
+    view's version counter is replaced by its base's after it is cached)."""
+
+    def fn(x):
+        y = x * 2
+        v = y.view(-1)
+        z = v * 3
+        y.mul_(5)
+        return z.sin() + y.view(-1)
+
+    x = torch.randn(4, requires_grad=True)
+    plan = torch_sac.policies.budget(fn, x, bytes=10**6, repeats=0)
+    view0 = next(it for it in plan.items if it.op is aten.view.default and it.call_index == 0)
+    assert not view0.saveable and "mutated" in view0.why_not and not view0.saved
+    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, plan)
+    x1 = x.detach().clone().requires_grad_(True)
+    torch.utils.checkpoint.checkpoint(fn, x1, use_reentrant=False, context_fn=ctx_fn).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    fn(x2).sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
