@@ -12,8 +12,12 @@ from collections.abc import Iterable
 import torch
 
 from . import _C
+from ._budget import BudgetPolicy, budget
 
-__all__ = ["save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name"]
+__all__ = [
+    "save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name",
+    "budget", "BudgetPolicy",
+]
 
 
 def _op_patterns(ops, where):
@@ -130,3 +134,4 @@ def save_by_name(*names):
         if not n:
             raise ValueError("torch_sac.save_by_name: scope names must be non-empty strings")
     return _C.save_by_name(list(names))
+

@@ -15,6 +15,9 @@
 #include "policy_library.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
+// --- budget planner (branch budget) ---
+#include "budget_bindings.h"
+// --- end budget planner ---
 
 namespace py = pybind11;
 using namespace torch_sac;
@@ -145,4 +148,7 @@ PYBIND11_MODULE(_C, m) {
 
   // Policy library: named scopes, save_by_name, OpPolicy.to_torch() bridge.
   python::register_policy_library(m);
+
+  // Budget planner (policies/budget_solver.h).
+  python::register_budget(m);
 }
