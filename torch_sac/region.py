@@ -125,7 +125,9 @@ class sac_context:
         outside tensors the region overwrote, e.g. BatchNorm running stats);
         ``packed_kept``/``packed_dropped`` (tensors autograd saved, kept as is
         or replaced by a reference); ``unpacked_original`` (references served
-        by a still-live original); ``replayed_ops`` and ``replay_ns``.
+        by a still-live original); ``replayed_ops`` and ``replay_ns``
+        (backward replays and their time); ``record_ns`` (time spent
+        recording ops in forward, outside the ops themselves).
         """
         self._check_used("stats")
         return self._region.stats()
@@ -134,6 +136,14 @@ class sac_context:
         """Per op overload, first-seen order: ``(op, saved, dropped, replayed)``."""
         self._check_used("op_summary")
         return self._region.op_summary()
+
+    def op_details(self):
+        """Per op overload, first-seen order: a dict with ``op``, ``saved``,
+        ``dropped`` (calls whose new outputs were kept or dropped),
+        ``saved_bytes``, ``dropped_bytes`` (their storage bytes), ``replayed``
+        and ``replay_ns`` (replays in backward and their time)."""
+        self._check_used("op_details")
+        return self._region.op_details()
 
     def _check_used(self, what):
         if self._region is None:

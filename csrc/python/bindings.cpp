@@ -89,12 +89,28 @@ PYBIND11_MODULE(_C, m) {
         d["unpacked_original"] = s.unpacked_original;
         d["replayed_ops"] = s.replayed_ops;
         d["replay_ns"] = s.replay_ns;
+        d["record_ns"] = s.record_ns;
         return d;
       })
       .def("op_summary", [](const region::Region& self) {
         std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
         for (const auto& s : self.op_summary()) {
           rows.emplace_back(s.op, s.saved, s.dropped, s.replayed);
+        }
+        return rows;
+      })
+      .def("op_details", [](const region::Region& self) {
+        py::list rows;
+        for (const auto& s : self.op_summary()) {
+          py::dict d;
+          d["op"] = s.op;
+          d["saved"] = s.saved;
+          d["dropped"] = s.dropped;
+          d["replayed"] = s.replayed;
+          d["saved_bytes"] = s.saved_bytes;
+          d["dropped_bytes"] = s.dropped_bytes;
+          d["replay_ns"] = s.replay_ns;
+          rows.append(std::move(d));
         }
         return rows;
       });

@@ -3,6 +3,8 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
+#include <chrono>
+
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
@@ -193,6 +195,8 @@ void Region::handle(
     run(stack);
     return;
   }
+  using Clock = std::chrono::steady_clock;
+  const auto record_start = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   int32_t op_index = 0;
   OpInfo& info = info_for(op, &op_index);
@@ -237,8 +241,10 @@ void Region::handle(
   std::optional<RngSnapshot> rng = RngSnapshot::capture(op, inputs);
   const std::string& op_name = info.name;
 
+  const auto run_start = Clock::now();
   lock.unlock();
   run(stack);
+  const auto run_end = Clock::now();
   const size_t num_returns = schema.returns().size();
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
   const int64_t call_index = ops_[op_index].calls;  // stable: only this thread records
@@ -285,10 +291,12 @@ void Region::handle(
       ++stats_.saved_ops;
       stats_.saved_bytes += new_bytes;
       ++op_info.saved;
+      op_info.saved_bytes += new_bytes;
     } else {
       ++stats_.dropped_ops;
       stats_.dropped_bytes += new_bytes;
       ++op_info.dropped;
+      op_info.dropped_bytes += new_bytes;
     }
   }
   entry.replayable = (produced && !save) || writes_replayable;
@@ -308,6 +316,9 @@ void Region::handle(
     storages_[s].last_version = kUnknownVersion;
   }
   entries_.push_back(std::move(entry));
+  const auto record_end = Clock::now();
+  stats_.record_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+      (run_start - record_start) + (record_end - run_end)).count();
 }
 
 SavedActivation Region::pack(const at::Tensor& t) {
@@ -367,7 +378,8 @@ std::vector<RegionOpSummary> Region::op_summary() const {
   std::vector<RegionOpSummary> rows;
   for (const OpInfo& info : ops_) {
     if (!info.ignored) {
-      rows.push_back({info.name, info.saved, info.dropped, info.replayed});
+      rows.push_back({info.name, info.saved, info.dropped, info.replayed,
+                      info.saved_bytes, info.dropped_bytes, info.replay_ns});
     }
   }
   return rows;

@@ -78,13 +78,19 @@ struct RegionStats {
   int64_t unpacked_original = 0;  // references served by the still-live original
   int64_t replayed_ops = 0;
   int64_t replay_ns = 0;
+  // Time the region spent recording in forward, outside the ops themselves
+  // (the interception overhead; the adapter's own dispatch is not included).
+  int64_t record_ns = 0;
 };
 
 struct RegionOpSummary {
   std::string op;
-  int64_t saved = 0;
-  int64_t dropped = 0;
-  int64_t replayed = 0;
+  int64_t saved = 0;      // calls whose new outputs were kept
+  int64_t dropped = 0;    // calls whose new outputs were dropped
+  int64_t replayed = 0;   // replays in backward
+  int64_t saved_bytes = 0;
+  int64_t dropped_bytes = 0;
+  int64_t replay_ns = 0;
 };
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
@@ -170,6 +176,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int64_t saved = 0;
     int64_t dropped = 0;
     int64_t replayed = 0;
+    int64_t saved_bytes = 0;
+    int64_t dropped_bytes = 0;
+    int64_t replay_ns = 0;
   };
 
   static constexpr uint32_t kUnknownVersion = UINT32_MAX;

@@ -231,10 +231,13 @@ torch::jit::Stack Region::replay_entry(int32_t entry_index) {
       run();
     }
   }
-  stats_.replay_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+  const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now() - start).count();
+  stats_.replay_ns += elapsed;
   ++stats_.replayed_ops;
-  ++ops_[entry.op_index].replayed;
+  OpInfo& info = ops_[entry.op_index];
+  ++info.replayed;
+  info.replay_ns += elapsed;
   return stack;
 }
 
