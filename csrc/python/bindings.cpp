@@ -90,6 +90,7 @@ PYBIND11_MODULE(_C, m) {
         d["replayed_ops"] = s.replayed_ops;
         d["replay_ns"] = s.replay_ns;
         d["record_ns"] = s.record_ns;
+        d["memo_bytes"] = s.memo_bytes;
         return d;
       })
       .def("op_summary", [](const region::Region& self) {

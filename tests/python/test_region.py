@@ -8,6 +8,7 @@ gradients, outputs, BatchNorm buffers and RNG states are compared bitwise
 "no interceptor left behind" checks, which look at both.
 """
 
+import functools
 import gc
 import threading
 
@@ -1387,3 +1388,43 @@ def test_every_nth_counts_calls_in_the_region():
     h.sum().backward()
     rows = {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
     assert rows["aten::mm.default"] == (3, 2)   # calls 0, 2, 4
+
+
+@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
+def test_step_peak_at_most_torch_checkpointing(policy_name):
+    """A rebuild replays only what the dropped tensor needs, in tape order,
+    freeing each intermediate after its last use: the backward peak is at
+    most that of PyTorch re-running the block (checkpoint / SAC contexts),
+    not the sum of every intermediate of the replayed chain. (The peak of the
+    whole step, as the two keep different tensors at the start of backward.)"""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch_sac.models import Block
+    memory = torch_sac.memory
+    memory.install_counting_allocator()
+    torch.manual_seed(0)
+    block = Block(dim=64, heads=4, dropout=0.1)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    matmuls = [aten.mm.default, aten.addmm.default, aten.bmm.default]
+
+    def torch_run():
+        if policy_name == "recompute_all":
+            return checkpoint(block, x, use_reentrant=False)
+        ctx = functools.partial(create_selective_checkpoint_contexts, matmuls)
+        return checkpoint(block, x, use_reentrant=False, context_fn=ctx)
+
+    def region_run():
+        with torch_sac.sac_context(policy_of(policy_name)):
+            return block(x)
+
+    def step_peak(run):
+        torch.manual_seed(1)
+        with memory.track() as step:
+            loss = run().pow(2).mean()
+            loss.backward()
+            del loss
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        return step.peak
+
+    torch_peak, region_peak = step_peak(torch_run), step_peak(region_run)
+    assert region_peak <= torch_peak, f"region {region_peak} B > torch {torch_peak} B"

@@ -55,23 +55,33 @@ void Region::pop_policy() {
 void Region::close() {
   std::lock_guard<std::mutex> lock(mutex_);
   open_ = false;
-  release_tape_if_unused();
+  release_unneeded_entries();
 }
 
-// The tape (and what it holds for replay: inputs from outside, SAVE outputs
-// used by dropped ops, copies of overwritten tensors) lives exactly as long
-// as some dropped activation can still be unpacked; the stats and the per-op
-// summary outlive it.
-void Region::release_tape_if_unused() {
-  if (open_ || live_dropped_ > 0) {
+void Region::release_unneeded_entries() {
+  if (open_) {
     return;
   }
-  entries_.clear();
-  entries_.shrink_to_fit();
-  storages_.clear();
-  storages_.shrink_to_fit();
-  storage_index_.clear();
-  memoised_.clear();
+  if (live_dropped_ == 0) {
+    // Nothing can replay: the tape goes; the stats and op summary stay.
+    entries_.clear();
+    entries_.shrink_to_fit();
+    storages_.clear();
+    storages_.shrink_to_fit();
+    storage_index_.clear();
+    memoised_.clear();
+    released_from_ = 0;
+    return;
+  }
+  const size_t needed = static_cast<size_t>(live_horizons_.rbegin()->first);
+  for (size_t e = std::min(released_from_, entries_.size()); e > needed; --e) {
+    Entry& entry = entries_[e - 1];
+    entry.replayable = false;
+    entry.args = {};
+    entry.slots = {};
+    entry.rng.reset();
+  }
+  released_from_ = std::min(released_from_, needed);
 }
 
 Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) {
@@ -315,6 +325,7 @@ void Region::handle(
     storages_[s].mutations.push_back(entry_index);
     storages_[s].last_version = kUnknownVersion;
   }
+  entry.writes = std::move(written_storages);
   entries_.push_back(std::move(entry));
   const auto record_end = Clock::now();
   stats_.record_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -346,6 +357,8 @@ SavedActivation Region::pack(const at::Tensor& t) {
   ++record.pending_unpacks;
   ++record.live_refs;
   ++live_dropped_;
+  saved.horizon = static_cast<int32_t>(entries_.size());
+  ++live_horizons_[saved.horizon];
   ++stats_.packed_dropped;
   return saved;
 }
@@ -359,7 +372,11 @@ void Region::forget(const SavedActivation& saved) {
   }
   end_generation_if_done(record);
   --live_dropped_;
-  release_tape_if_unused();
+  auto horizon = live_horizons_.find(saved.horizon);
+  if (--horizon->second == 0) {
+    live_horizons_.erase(horizon);
+  }
+  release_unneeded_entries();
 }
 
 SavedActivation::~SavedActivation() {
@@ -370,7 +387,14 @@ SavedActivation::~SavedActivation() {
 
 RegionStats Region::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
+  RegionStats stats = stats_;
+  for (int32_t s : memoised_) {
+    const at::Tensor& memo = storages_[s].memo;
+    if (memo.defined()) {
+      stats.memo_bytes += static_cast<int64_t>(memo.storage().nbytes());
+    }
+  }
+  return stats;
 }
 
 std::vector<RegionOpSummary> Region::op_summary() const {

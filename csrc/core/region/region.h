@@ -21,9 +21,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
+#include <c10/util/FunctionRef.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,6 +66,8 @@ struct SavedActivation {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
   // The storage's unpack generation this one was last unpacked in.
   mutable int64_t unpacked_generation = -1;
+  // Tape length when packed: a rebuild of it replays only earlier entries.
+  int32_t horizon = 0;
 };
 
 struct RegionStats {
@@ -81,6 +85,8 @@ struct RegionStats {
   // Time the region spent recording in forward, outside the ops themselves
   // (the interception overhead; the adapter's own dispatch is not included).
   int64_t record_ns = 0;
+  // Rebuilt tensors the region holds right now for unpacks still to come.
+  int64_t memo_bytes = 0;
 };
 
 struct RegionOpSummary {
@@ -143,6 +149,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<ArgSlot> slots;
     std::vector<uint32_t> scratch_args;  // copies of overwritten outside tensors
     std::vector<std::pair<int32_t, int32_t>> produced;  // (output position, storage)
+    std::vector<int32_t> writes;  // region storages it wrote to
     std::optional<RngSnapshot> rng;
   };
 
@@ -192,15 +199,31 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
                    const std::vector<c10::IValue>& overwritten);
 
   // Replay (replay.cpp); called with mutex_ held.
+  //
+  // A rebuild replays, in tape order, exactly the entries the storage
+  // depends on that no memo covers, and frees each intermediate after its
+  // last use in that replay, as the forward did: peak memory stays that of
+  // re-running the forward of the needed ops, and each entry runs once.
+  struct ReplayPlan {
+    std::vector<int32_t> entries;                  // sorted before running
+    std::unordered_map<int32_t, int32_t> states;   // storage -> state needed
+  };
+  ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
   at::Tensor materialize(int32_t storage, int32_t state);
-  at::Tensor resolve(const ArgSlot& slot, const Entry& consumer);
   void check_unchanged(const ArgSlot& slot, const Entry& consumer) const;
-  torch::jit::Stack replay_entry(int32_t entry_index);
+  torch::jit::Stack replay_entry(
+      int32_t entry_index,
+      c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
+  void memoise(int32_t storage, const at::Tensor& t, int32_t state);
   void release_memos();
   // Ends the storage's generation if nothing in it is left to unpack.
   void end_generation_if_done(StorageRecord& record);
-  // Frees the tape once the region is closed and nothing can replay.
-  void release_tape_if_unused();
+  // Frees what no live dropped activation can need any more: the entries
+  // at or past the latest horizon among them (and the whole tape once the
+  // region is closed and none is left). Backward frees saved activations
+  // roughly in reverse order, so a SAVE output a replay needed goes soon
+  // after its last replay, as PyTorch's SAC frees its cache.
+  void release_unneeded_entries();
 
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
@@ -213,6 +236,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
   std::vector<int32_t> memoised_;
   int64_t live_dropped_ = 0;  // SavedActivations referring to this region
+  std::map<int32_t, int32_t> live_horizons_;  // horizon -> live dropped activations
+  size_t released_from_ = SIZE_MAX;  // entries from here on are released
   RegionStats stats_;
 };
 

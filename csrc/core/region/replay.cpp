@@ -3,8 +3,11 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
 #include <chrono>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
@@ -108,55 +111,141 @@ void Region::end_generation_if_done(StorageRecord& record) {
   record.pending_unpacks = record.live_refs;
 }
 
-at::Tensor Region::materialize(int32_t storage, int32_t state) {
-  StorageRecord& record = storages_[storage];
-  if (record.memo.defined() && record.memo_state == state) {
-    return record.memo;
+Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
+  ReplayPlan plan;
+  std::unordered_set<int32_t> planned;
+  std::vector<std::pair<int32_t, int32_t>> needed{{storage, state}};
+  auto add_entry = [&](int32_t e) {
+    if (planned.insert(e).second) {
+      plan.entries.push_back(e);
+      for (const ArgSlot& slot : entries_[e].slots) {
+        if (slot.storage >= 0) {
+          needed.emplace_back(slot.storage, slot.state);
+        }
+      }
+    }
+  };
+  // A worklist, not recursion: chains of thousands of ops are common.
+  while (!needed.empty()) {
+    const auto [s, st] = needed.back();
+    needed.pop_back();
+    const StorageRecord& record = storages_[s];
+    if (record.memo.defined() && record.memo_state == st) {
+      continue;
+    }
+    auto [it, inserted] = plan.states.try_emplace(s, 0);
+    if (inserted) {
+      TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for a storage");
+      add_entry(record.producer);
+    }
+    // In tape order a consumer sees the storage at the state it recorded:
+    // the writes before it are replayed before it, the later ones after.
+    for (int32_t k = it->second; k < st; ++k) {
+      add_entry(record.mutations[k]);
+    }
+    it->second = std::max(it->second, st);
   }
-  at::Tensor base;
-  int32_t reached = 0;
-  if (record.memo.defined() && record.memo_state < state) {
-    base = record.memo;
-    reached = record.memo_state;
-  } else {
-    TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for this storage");
-    const int32_t producer = record.producer;
-    torch::jit::Stack outputs = replay_entry(producer);
-    // Every storage the producer made is now at state 0: keep them all, as
-    // backward usually needs the siblings too (layer norm's mean and rstd).
+  std::sort(plan.entries.begin(), plan.entries.end());
+  return plan;
+}
+
+at::Tensor Region::materialize(int32_t storage, int32_t state) {
+  {
+    const StorageRecord& record = storages_[storage];
+    if (record.memo.defined() && record.memo_state == state) {
+      return record.memo;
+    }
+  }
+  const ReplayPlan plan = plan_rebuild(storage, state);
+  // The last plan entry that uses each rebuilt storage.
+  std::unordered_map<int32_t, int32_t> last_use;
+  for (int32_t e : plan.entries) {
+    for (const ArgSlot& slot : entries_[e].slots) {
+      if (slot.storage >= 0 && plan.states.count(slot.storage)) {
+        last_use[slot.storage] = e;
+      }
+    }
+    for (const auto& [position, s] : entries_[e].produced) {
+      if (plan.states.count(s)) {
+        last_use.try_emplace(s, e);
+      }
+    }
+  }
+  // Rebuilt storages with their current state.
+  std::unordered_map<int32_t, std::pair<at::Tensor, int32_t>> working;
+  for (int32_t e : plan.entries) {
+    const Entry& entry = entries_[e];
+    auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
+      if (slot.held.defined()) {
+        check_unchanged(slot, entry);
+        return slot.held;
+      }
+      auto w = working.find(slot.storage);
+      if (w != working.end() && w->second.second == slot.state) {
+        return slot.geometry.view_of(w->second.first.storage());
+      }
+      const StorageRecord& record = storages_[slot.storage];
+      TORCH_INTERNAL_ASSERT(
+          record.memo.defined() && record.memo_state == slot.state,
+          "torch_sac: replay plan missed a storage ", entries_[e].op.operator_name());
+      return slot.geometry.view_of(record.memo.storage());
+    };
+    const torch::jit::Stack outputs = replay_entry(e, resolve);
     int32_t position = 0;
-    auto produced = entries_[producer].produced.begin();
-    const auto produced_end = entries_[producer].produced.end();
+    auto produced = entry.produced.begin();
     for (const c10::IValue& out : outputs) {
       for_each_tensor(out, [&](const at::Tensor& t) {
-        if (produced != produced_end && produced->first == position) {
-          StorageRecord& sibling = storages_[produced->second];
-          if (produced->second == storage) {
-            base = t;
-          } else if (!sibling.memo.defined()) {
-            sibling.memo = t;
-            sibling.memo_state = 0;
-            memoised_.push_back(produced->second);
+        if (produced != entry.produced.end() && produced->first == position) {
+          const int32_t s = produced->second;
+          if (plan.states.count(s)) {
+            working[s] = {t, 0};
+          } else if (storages_[s].pending_unpacks > 0 && !storages_[s].memo.defined()) {
+            // A sibling backward will soon need too (layer norm's mean, rstd).
+            memoise(s, t, 0);
           }
           ++produced;
         }
         ++position;
       });
     }
-    TORCH_INTERNAL_ASSERT(base.defined(), "torch_sac: replay did not produce the storage");
+    for (int32_t s : entry.writes) {
+      auto w = working.find(s);
+      if (w != working.end()) {
+        ++w->second.second;
+      }
+    }
+    // Intermediates past their last use go now; ones autograd will unpack
+    // later in this backward stay as memos.
+    for (auto it = working.begin(); it != working.end();) {
+      const int32_t s = it->first;
+      if (s != storage && last_use.at(s) == e) {
+        if (storages_[s].pending_unpacks > 0 && !storages_[s].memo.defined()) {
+          memoise(s, it->second.first, it->second.second);
+        }
+        it = working.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
+  auto target = working.find(storage);
+  TORCH_INTERNAL_ASSERT(
+      target != working.end() && target->second.second == state,
+      "torch_sac: replay did not rebuild the storage at the state autograd saved");
+  at::Tensor result = std::move(target->second.first);
+  if (storages_[storage].pending_unpacks > 0) {
+    memoise(storage, result, state);
+  }
+  return result;
+}
+
+void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
+  StorageRecord& record = storages_[storage];
   if (!record.memo.defined()) {
     memoised_.push_back(storage);
   }
-  // Apply the recorded writes; each resolves its target to this memo.
-  for (int32_t k = reached; k < state; ++k) {
-    record.memo = base;
-    record.memo_state = k;
-    replay_entry(record.mutations[k]);
-  }
-  record.memo = base;
+  record.memo = t;
   record.memo_state = state;
-  return base;
 }
 
 void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
@@ -185,22 +274,16 @@ void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
             "in place after the region used it.)");
 }
 
-at::Tensor Region::resolve(const ArgSlot& slot, const Entry& consumer) {
-  if (slot.held.defined()) {
-    check_unchanged(slot, consumer);
-    return slot.held;
-  }
-  return slot.geometry.view_of(materialize(slot.storage, slot.state).storage());
-}
-
-torch::jit::Stack Region::replay_entry(int32_t entry_index) {
+torch::jit::Stack Region::replay_entry(
+    int32_t entry_index,
+    c10::function_ref<at::Tensor(const ArgSlot&)> resolve) {
   // Entries are never added during replay, so the reference stays valid.
   const Entry& entry = entries_[entry_index];
   TORCH_INTERNAL_ASSERT(entry.replayable, "torch_sac: entry ", entry_index, " cannot be replayed");
   torch::jit::Stack stack(entry.args.begin(), entry.args.end());
   int64_t copied_list = -1;
   for (const ArgSlot& slot : entry.slots) {
-    at::Tensor t = resolve(slot, entry);
+    at::Tensor t = resolve(slot);
     c10::IValue& arg = stack[slot.arg];
     if (slot.element < 0) {
       arg = std::move(t);
