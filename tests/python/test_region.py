@@ -1428,3 +1428,37 @@ def test_step_peak_at_most_torch_checkpointing(policy_name):
 
     torch_peak, region_peak = step_peak(torch_run), step_peak(region_run)
     assert region_peak <= torch_peak, f"region {region_peak} B > torch {torch_peak} B"
+
+
+def test_replayed_op_writing_a_saved_output_updates_it_once():
+    """BatchNorm whose running stats were made (and kept) inside the region:
+    replaying it for its dropped output works on a copy of the stats, so
+    they are updated exactly once and the saved tensors stay unchanged."""
+    def f(x, w):
+        scale = w.sum().detach()
+        running_mean = torch.zeros(4) * scale       # kept by the policy
+        running_var = torch.ones(4) + 0 * scale     # kept by the policy
+        y = F.batch_norm(x, running_mean, running_var, w, None, training=True)
+        return y.sin().sum(), running_mean, running_var
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = op in (aten.mul.Tensor, aten.add.Tensor)
+        return torch_sac.Policy.MUST_SAVE if keep else torch_sac.Policy.PREFER_RECOMPUTE
+
+    def run(region):
+        torch.manual_seed(0)
+        x = torch.randn(8, 4, requires_grad=True)
+        w = torch.rand(4, requires_grad=True)
+        if region:
+            with torch_sac.sac_context(policy) as ctx:
+                loss, mean, var = f(x, w)
+        else:
+            ctx = None
+            loss, mean, var = f(x, w)
+        loss.backward()
+        return x.grad, w.grad, mean, var, ctx
+
+    ref, ours = run(False), run(True)
+    for a, b, what in zip(ref[:4], ours[:4], ("x.grad", "w.grad", "running_mean", "running_var")):
+        assert_tensors_equal(b, a, what)
+    assert ours[4].stats()["replayed_ops"] >= 1

@@ -91,6 +91,11 @@ Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) 
     info.name = op_display_name(op);
     info.ignored = is_ignored_op(op.operator_name());
     info.written_args = written_args(op);
+    for (const c10::Argument& ret : op.schema().returns()) {
+      const bool tensor = ret.type()->kind() == c10::TypeKind::TensorType ||
+          ret.type()->isSubtypeOf(*c10::ListType::ofTensors());
+      info.makes_new_tensors = info.makes_new_tensors || (tensor && !ret.alias_info());
+    }
     ops_.push_back(std::move(info));
   }
   *index = it->second;
@@ -230,9 +235,10 @@ void Region::handle(
       }
     });
   }
-  // Tensors from outside the region that this op overwrites: a replay gets
-  // a copy of their value from before the op instead (BatchNorm's running
-  // statistics are updated exactly once).
+  // Tensors this op overwrites that replay cannot rebuild (from outside the
+  // region, or kept by the policy): a replay gets a copy of their value from
+  // before the op instead, so BatchNorm's running statistics are updated
+  // exactly once. Only ops that also make new tensors can be replayed.
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
   for (size_t i : info.written_args) {
@@ -243,7 +249,8 @@ void Region::handle(
     const int32_t s = find_storage(t);
     if (s >= 0) {
       written_storages.push_back(s);
-    } else {
+    }
+    if (s < 0 || (info.makes_new_tensors && !storages_[s].replayable)) {
       c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
       overwritten[i] = t.clone();
     }

@@ -114,23 +114,31 @@ void Region::end_generation_if_done(StorageRecord& record) {
 Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   ReplayPlan plan;
   std::unordered_set<int32_t> planned;
-  std::vector<std::pair<int32_t, int32_t>> needed{{storage, state}};
+  struct Need {
+    int32_t storage;
+    int32_t state;
+    bool written;  // the entry writes to it: never hand it a memo
+  };
+  std::vector<Need> needed{{storage, state, false}};
   auto add_entry = [&](int32_t e) {
     if (planned.insert(e).second) {
       plan.entries.push_back(e);
-      for (const ArgSlot& slot : entries_[e].slots) {
+      const Entry& entry = entries_[e];
+      for (const ArgSlot& slot : entry.slots) {
         if (slot.storage >= 0) {
-          needed.emplace_back(slot.storage, slot.state);
+          const bool written = std::find(entry.writes.begin(), entry.writes.end(),
+                                         slot.storage) != entry.writes.end();
+          needed.push_back({slot.storage, slot.state, written});
         }
       }
     }
   };
   // A worklist, not recursion: chains of thousands of ops are common.
   while (!needed.empty()) {
-    const auto [s, st] = needed.back();
+    const auto [s, st, written] = needed.back();
     needed.pop_back();
     const StorageRecord& record = storages_[s];
-    if (record.memo.defined() && record.memo_state == st) {
+    if (!written && record.memo.defined() && record.memo_state == st) {
       continue;
     }
     auto [it, inserted] = plan.states.try_emplace(s, 0);
