@@ -36,6 +36,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
 #include "rng_snapshot.h"
+#include "stream_sync.h"
 #include "tensor_geometry.h"
 
 namespace torch_sac::region {
@@ -172,7 +173,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int32_t pending_unpacks = 0;
     int64_t generation = 0;
     at::Tensor memo;               // a replayed copy...
-    int32_t memo_state = -1;       // ...at this mutation state
+    int32_t memo_state = -1;       // ...at this mutation state...
+    StreamStamp memo_stream;       // ...made on this stream
   };
 
   struct OpInfo {

@@ -161,6 +161,7 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
   {
     const StorageRecord& record = storages_[storage];
     if (record.memo.defined() && record.memo_state == state) {
+      record.memo_stream.hand_over(record.memo);
       return record.memo;
     }
   }
@@ -196,6 +197,7 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
       TORCH_INTERNAL_ASSERT(
           record.memo.defined() && record.memo_state == slot.state,
           "torch_sac: replay plan missed a storage ", entries_[e].op.operator_name());
+      record.memo_stream.hand_over(record.memo);
       return slot.geometry.view_of(record.memo.storage());
     };
     const torch::jit::Stack outputs = replay_entry(e, resolve);
@@ -254,6 +256,7 @@ void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
   }
   record.memo = t;
   record.memo_state = state;
+  record.memo_stream = StreamStamp::current_for(t);
 }
 
 void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
