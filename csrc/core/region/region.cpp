@@ -374,10 +374,10 @@ void Region::forget(const SavedActivation& saved) {
   std::lock_guard<std::mutex> lock(mutex_);
   StorageRecord& record = storages_.at(saved.storage);
   --record.live_refs;
-  if (saved.unpacked_generation != record.generation) {
+  if (saved.unpacked_pass != pass_) {
     --record.pending_unpacks;
   }
-  end_generation_if_done(record);
+  release_memos();
   --live_dropped_;
   auto horizon = live_horizons_.find(saved.horizon);
   if (--horizon->second == 0) {

@@ -65,8 +65,8 @@ struct SavedActivation {
   int32_t state = 0;
   TensorGeometry geometry;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
-  // The storage's unpack generation this one was last unpacked in.
-  mutable int64_t unpacked_generation = -1;
+  // The region's backward pass this one was last unpacked in.
+  mutable int64_t unpacked_pass = -1;
   // Tape length when packed: a rebuild of it replays only earlier entries.
   int32_t horizon = 0;
 };
@@ -166,12 +166,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     // recorded write, whose version bump happens above the interceptor).
     uint32_t last_version = 0;
     // Dropped activations of this storage alive, and those of them not yet
-    // unpacked in this generation. A generation ends when every live one
-    // was unpacked (one backward pass); with retain_graph=True the next
-    // backward starts a new one.
+    // unpacked in this backward pass.
     int32_t live_refs = 0;
     int32_t pending_unpacks = 0;
-    int64_t generation = 0;
     at::Tensor memo;               // a replayed copy...
     int32_t memo_state = -1;       // ...at this mutation state...
     StreamStamp memo_stream;       // ...made on this stream
@@ -217,10 +214,13 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   torch::jit::Stack replay_entry(
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
+  bool worth_memoising(int32_t storage, int32_t state) const;
   void memoise(int32_t storage, const at::Tensor& t, int32_t state);
+  // Drops the memos nothing in this pass will unpack again.
   void release_memos();
-  // Ends the storage's generation if nothing in it is left to unpack.
-  void end_generation_if_done(StorageRecord& record);
+  // An activation unpacked a second time: backward runs again
+  // (retain_graph=True); every live one is pending again.
+  void start_new_pass();
   // Frees what no live dropped activation can need any more: the entries
   // at or past the latest horizon among them (and the whole tape once the
   // region is closed and none is left). Backward frees saved activations
@@ -239,6 +239,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
   std::vector<int32_t> memoised_;
   int64_t live_dropped_ = 0;  // SavedActivations referring to this region
+  int64_t pass_ = 0;          // backward passes through the region, from 0
   std::map<int32_t, int32_t> live_horizons_;  // horizon -> live dropped activations
   size_t released_from_ = SIZE_MAX;  // entries from here on are released
   RegionStats stats_;

@@ -80,35 +80,37 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       "region and dropped by the policy.) Hint: enable anomaly detection with "
       "torch.autograd.set_detect_anomaly(True) to find the operation that "
       "failed to compute its gradient.");
-  if (saved.unpacked_generation != record.generation) {
-    saved.unpacked_generation = record.generation;
-    --record.pending_unpacks;
+  if (saved.unpacked_pass == pass_) {
+    start_new_pass();
   }
-  at::Tensor result;
+  saved.unpacked_pass = pass_;
+  --record.pending_unpacks;
   if (saved.original) {
     auto original = saved.original->lock();
     if (original.defined()) {
       ++stats_.unpacked_original;
-      result = detached_alias(at::Tensor(std::move(original)));
+      return detached_alias(at::Tensor(std::move(original)));
     }
   }
-  if (!result.defined()) {
-    const at::Tensor base = materialize(saved.storage, saved.state);
-    result = saved.geometry.view_of(base.storage());
-  }
-  end_generation_if_done(record);
-  release_memos();
-  return result;
+  // The rebuilt storage stays memoised even when this was its last pending
+  // unpack: autograd holds it anyway while the node runs, and the node's
+  // other saved tensors may be rebuilt from it (BatchNorm's input, then its
+  // mean and invstd). The node frees its saved activations when it is done;
+  // forget() then drops the memo.
+  const at::Tensor base = materialize(saved.storage, saved.state);
+  return saved.geometry.view_of(base.storage());
 }
 
-void Region::end_generation_if_done(StorageRecord& record) {
-  if (record.pending_unpacks > 0) {
-    return;
+void Region::start_new_pass() {
+  ++pass_;
+  for (StorageRecord& record : storages_) {
+    record.pending_unpacks = record.live_refs;
   }
-  record.memo = at::Tensor();
-  record.memo_state = -1;
-  ++record.generation;
-  record.pending_unpacks = record.live_refs;
+  for (int32_t s : memoised_) {
+    storages_[s].memo = at::Tensor();
+    storages_[s].memo_state = -1;
+  }
+  memoised_.clear();
 }
 
 Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
@@ -209,7 +211,7 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
           const int32_t s = produced->second;
           if (plan.states.count(s)) {
             working[s] = {t, 0};
-          } else if (storages_[s].pending_unpacks > 0 && !storages_[s].memo.defined()) {
+          } else if (worth_memoising(s, 0)) {
             // A sibling backward will soon need too (layer norm's mean, rstd).
             memoise(s, t, 0);
           }
@@ -229,7 +231,7 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
     for (auto it = working.begin(); it != working.end();) {
       const int32_t s = it->first;
       if (s != storage && last_use.at(s) == e) {
-        if (storages_[s].pending_unpacks > 0 && !storages_[s].memo.defined()) {
+        if (worth_memoising(s, it->second.second)) {
           memoise(s, it->second.first, it->second.second);
         }
         it = working.erase(it);
@@ -243,10 +245,17 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
       target != working.end() && target->second.second == state,
       "torch_sac: replay did not rebuild the storage at the state autograd saved");
   at::Tensor result = std::move(target->second.first);
-  if (storages_[storage].pending_unpacks > 0) {
-    memoise(storage, result, state);
-  }
+  memoise(storage, result, state);
   return result;
+}
+
+// A rebuilt storage met on the way is kept when autograd will still unpack
+// it at that state. Saved activations of a storage are all at its last
+// state: one saved before a later in-place write fails the version check.
+bool Region::worth_memoising(int32_t storage, int32_t state) const {
+  const StorageRecord& record = storages_[storage];
+  return record.pending_unpacks > 0 && !record.memo.defined() &&
+      static_cast<size_t>(state) == record.mutations.size();
 }
 
 void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
@@ -339,8 +348,6 @@ void Region::release_memos() {
   size_t kept = 0;
   for (int32_t s : memoised_) {
     StorageRecord& record = storages_[s];
-    // Storages no saved activation refers to (intermediates of a replay)
-    // have nothing pending: their memos go at once.
     if (record.pending_unpacks > 0 && record.memo.defined()) {
       memoised_[kept++] = s;
     } else {
