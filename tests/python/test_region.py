@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tc
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_sac
 from conftest import (

@@ -463,26 +463,6 @@ def test_no_growth_over_1000_training_steps(model, policy_name):
 # 4. Peak during backward
 # ==========================================================================
 
-XFAIL_REPLAY_MEMOS = (
-    "engine: Region::materialize (csrc/core/region/replay.cpp) memoises every storage it "
-    "rebuilds (memoised_.push_back for the replayed producer and its siblings), including "
-    "pure intermediates no saved activation refers to (pending_unpacks == 0, e.g. a "
-    "Linear's output consumed only by the dropped tanh), and Region::release_memos runs "
-    "only after the outermost rebuild() returns: the first unpack at the end of a "
-    "recompute_all region holds every op output of the region at once, above the peak of "
-    "torch.utils.checkpoint, which frees unsaved intermediates as its re-run goes"
-)
-
-XFAIL_HELD_SAVE_OUTPUTS = (
-    "engine: ArgSlot.held (csrc/core/region/region.h, filled by Region::record_args) keeps "
-    "each saved output a dropped op needs for replay until the whole tape is freed "
-    "(Region::release_tape_if_unused, once live_dropped_ == 0 at the very end of "
-    "backward), not once the last live dropped activation whose rebuild goes through that "
-    "entry has died (Region::forget): backward holds every saved matmul output plus the "
-    "rebuilt activations, where torch's SAC drops a cache entry once recompute consumed it"
-)
-
-
 def test_recompute_all_per_block_backward_peak_below_plain():
     """Deep-ish chain, one recompute_all region per block: a replay rebuilds
     one block, so the peak (forward + backward) stays below plain autograd's
@@ -495,7 +475,6 @@ def test_recompute_all_per_block_backward_peak_below_plain():
     assert region.peak <= torch_ckpt.peak, numbers
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=XFAIL_REPLAY_MEMOS)
 @pytest.mark.parametrize("model,mode", [("chain", "whole"), ("gpt", "per_block")])
 def test_recompute_all_backward_peak_at_most_torch_checkpoint(model, mode):
     """Replay must not rebuild everything at once. A whole-chain region with
@@ -508,21 +487,17 @@ def test_recompute_all_backward_peak_at_most_torch_checkpoint(model, mode):
     assert region.peak <= torch_ckpt.peak, (region.peak, torch_ckpt.peak, measure(model, "plain").peak)
 
 
-def test_save_matmuls_per_block_backward_peak_at_most_torch_sac():
-    """Per block, save_matmuls' backward peak stays within torch's SAC on the
-    same blocks. (For one region around the whole chain the region peaks at
-    391,048 bytes against torch's 321,416: partly the defect
-    test_saved_output_held_for_replay_dies_with_its_last_dropped_consumer
-    pins down, partly, by our estimate, inherent to replaying on unpack: the
-    region holds the matmul outputs and rebuilds each tanh beside its input,
-    where torch's one-shot recompute swaps the cached outputs for the
-    recomputed ones -- so no bound is asserted there.)"""
-    region = measure("chain", "region", "per_block", "save_matmuls")
-    torch_sac_run = measure("chain", "torch_sac", "per_block")
+@pytest.mark.parametrize("mode", ["per_block", "whole"])
+def test_save_matmuls_backward_peak_at_most_torch_sac(mode):
+    """save_matmuls' step peak stays within torch's SAC with the same ops,
+    per block and for one region around the whole chain (a kept matmul
+    output goes once no replay can need it; a rebuild replays only what the
+    unpacked tensor needs)."""
+    region = measure("chain", "region", mode, "save_matmuls")
+    torch_sac_run = measure("chain", "torch_sac", mode)
     assert region.peak <= torch_sac_run.peak, (region.peak, torch_sac_run.peak)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=XFAIL_HELD_SAVE_OUTPUTS)
 def test_saved_output_held_for_replay_dies_with_its_last_dropped_consumer():
     """mm is saved, tanh (which saves only its result) dropped: the region
     holds each mm output to replay its tanh. Once backward has run the last

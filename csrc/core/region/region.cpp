@@ -396,10 +396,7 @@ RegionStats Region::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   RegionStats stats = stats_;
   for (int32_t s : memoised_) {
-    const at::Tensor& memo = storages_[s].memo;
-    if (memo.defined()) {
-      stats.memo_bytes += static_cast<int64_t>(memo.storage().nbytes());
-    }
+    stats.memo_bytes += storages_[s].memo.strong_bytes();
   }
   return stats;
 }

@@ -35,8 +35,8 @@
 
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
+#include "memo.h"
 #include "rng_snapshot.h"
-#include "stream_sync.h"
 #include "tensor_geometry.h"
 
 namespace torch_sac::region {
@@ -169,9 +169,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     // unpacked in this backward pass.
     int32_t live_refs = 0;
     int32_t pending_unpacks = 0;
-    at::Tensor memo;               // a replayed copy...
-    int32_t memo_state = -1;       // ...at this mutation state...
-    StreamStamp memo_stream;       // ...made on this stream
+    Memo memo;                       // a rebuilt copy
   };
 
   struct OpInfo {
@@ -206,17 +204,20 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // re-running the forward of the needed ops, and each entry runs once.
   struct ReplayPlan {
     std::vector<int32_t> entries;                  // sorted before running
-    std::unordered_map<int32_t, int32_t> states;   // storage -> state needed
+    std::unordered_map<int32_t, int32_t> states;   // storage -> state to rebuild
+    // Storages a memo covers (pinned for the replay), with their state.
+    std::unordered_map<int32_t, std::pair<c10::Storage, int32_t>> memos;
   };
   ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
-  at::Tensor materialize(int32_t storage, int32_t state);
+  c10::Storage materialize(int32_t storage, int32_t state);
   void check_unchanged(const ArgSlot& slot, const Entry& consumer) const;
   torch::jit::Stack replay_entry(
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
   bool worth_memoising(int32_t storage, int32_t state) const;
   void memoise(int32_t storage, const at::Tensor& t, int32_t state);
-  // Drops the memos nothing in this pass will unpack again.
+  // Weakens the memos nothing in this pass will unpack again; forgets the
+  // weak ones whose storage died.
   void release_memos();
   // An activation unpacked a second time: backward runs again
   // (retain_graph=True); every live one is pending again.

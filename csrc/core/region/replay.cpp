@@ -92,13 +92,9 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       return detached_alias(at::Tensor(std::move(original)));
     }
   }
-  // The rebuilt storage stays memoised even when this was its last pending
-  // unpack: autograd holds it anyway while the node runs, and the node's
-  // other saved tensors may be rebuilt from it (BatchNorm's input, then its
-  // mean and invstd). The node frees its saved activations when it is done;
-  // forget() then drops the memo.
-  const at::Tensor base = materialize(saved.storage, saved.state);
-  return saved.geometry.view_of(base.storage());
+  const c10::Storage base = materialize(saved.storage, saved.state);
+  release_memos();
+  return saved.geometry.view_of(base);
 }
 
 void Region::start_new_pass() {
@@ -107,8 +103,7 @@ void Region::start_new_pass() {
     record.pending_unpacks = record.live_refs;
   }
   for (int32_t s : memoised_) {
-    storages_[s].memo = at::Tensor();
-    storages_[s].memo_state = -1;
+    storages_[s].memo.clear();
   }
   memoised_.clear();
 }
@@ -139,10 +134,14 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   while (!needed.empty()) {
     const auto [s, st, written] = needed.back();
     needed.pop_back();
-    const StorageRecord& record = storages_[s];
-    if (!written && record.memo.defined() && record.memo_state == st) {
-      continue;
+    if (!written) {
+      c10::Storage memo = storages_[s].memo.at_state(st);
+      if (memo) {
+        plan.memos.try_emplace(s, std::move(memo), st);
+        continue;
+      }
     }
+    const StorageRecord& record = storages_[s];
     auto [it, inserted] = plan.states.try_emplace(s, 0);
     if (inserted) {
       TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for a storage");
@@ -159,13 +158,9 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   return plan;
 }
 
-at::Tensor Region::materialize(int32_t storage, int32_t state) {
-  {
-    const StorageRecord& record = storages_[storage];
-    if (record.memo.defined() && record.memo_state == state) {
-      record.memo_stream.hand_over(record.memo);
-      return record.memo;
-    }
+c10::Storage Region::materialize(int32_t storage, int32_t state) {
+  if (c10::Storage memo = storages_[storage].memo.at_state(state)) {
+    return memo;
   }
   const ReplayPlan plan = plan_rebuild(storage, state);
   // The last plan entry that uses each rebuilt storage.
@@ -195,12 +190,11 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
       if (w != working.end() && w->second.second == slot.state) {
         return slot.geometry.view_of(w->second.first.storage());
       }
-      const StorageRecord& record = storages_[slot.storage];
+      auto m = plan.memos.find(slot.storage);
       TORCH_INTERNAL_ASSERT(
-          record.memo.defined() && record.memo_state == slot.state,
+          m != plan.memos.end() && m->second.second == slot.state,
           "torch_sac: replay plan missed a storage ", entries_[e].op.operator_name());
-      record.memo_stream.hand_over(record.memo);
-      return slot.geometry.view_of(record.memo.storage());
+      return slot.geometry.view_of(m->second.first);
     };
     const torch::jit::Stack outputs = replay_entry(e, resolve);
     int32_t position = 0;
@@ -244,9 +238,9 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
   TORCH_INTERNAL_ASSERT(
       target != working.end() && target->second.second == state,
       "torch_sac: replay did not rebuild the storage at the state autograd saved");
-  at::Tensor result = std::move(target->second.first);
+  const at::Tensor result = std::move(target->second.first);
   memoise(storage, result, state);
-  return result;
+  return result.storage();
 }
 
 // A rebuilt storage met on the way is kept when autograd will still unpack
@@ -254,18 +248,16 @@ at::Tensor Region::materialize(int32_t storage, int32_t state) {
 // state: one saved before a later in-place write fails the version check.
 bool Region::worth_memoising(int32_t storage, int32_t state) const {
   const StorageRecord& record = storages_[storage];
-  return record.pending_unpacks > 0 && !record.memo.defined() &&
+  return record.pending_unpacks > 0 && !record.memo.strong() &&
       static_cast<size_t>(state) == record.mutations.size();
 }
 
 void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
   StorageRecord& record = storages_[storage];
-  if (!record.memo.defined()) {
+  if (record.memo.gone()) {
     memoised_.push_back(storage);
   }
-  record.memo = t;
-  record.memo_state = state;
-  record.memo_stream = StreamStamp::current_for(t);
+  record.memo.hold(t.storage(), state, StreamStamp::current_for(t));
 }
 
 void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
@@ -347,12 +339,14 @@ torch::jit::Stack Region::replay_entry(
 void Region::release_memos() {
   size_t kept = 0;
   for (int32_t s : memoised_) {
-    StorageRecord& record = storages_[s];
-    if (record.pending_unpacks > 0 && record.memo.defined()) {
-      memoised_[kept++] = s;
+    Memo& memo = storages_[s].memo;
+    if (storages_[s].pending_unpacks <= 0) {
+      memo.weaken();
+    }
+    if (memo.gone()) {
+      memo.clear();
     } else {
-      record.memo = at::Tensor();
-      record.memo_state = -1;
+      memoised_[kept++] = s;
     }
   }
   memoised_.resize(kept);

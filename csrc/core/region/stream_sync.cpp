@@ -14,7 +14,7 @@ StreamStamp StreamStamp::current_for(const at::Tensor& t) {
   return stamp;
 }
 
-void StreamStamp::hand_over(const at::Tensor& t) const {
+void StreamStamp::hand_over(const c10::Storage& storage) const {
   if (!stream_) {
     return;
   }
@@ -26,7 +26,7 @@ void StreamStamp::hand_over(const at::Tensor& t) const {
   c10::Event produced(stream_->device_type());
   produced.record(*stream_);
   produced.block(now);
-  impl.recordDataPtrOnStream(t.storage().data_ptr(), now);
+  impl.recordDataPtrOnStream(storage.data_ptr(), now);
 }
 
 } // namespace torch_sac::region

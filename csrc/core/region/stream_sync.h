@@ -6,6 +6,7 @@
 // allocator the memory is in use there. No-ops on CPU.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 #include <c10/core/Stream.h>
 
 #include <optional>
@@ -16,8 +17,9 @@ class StreamStamp {
  public:
   // The current stream of `t`'s device (nothing for CPU tensors).
   static StreamStamp current_for(const at::Tensor& t);
-  // Makes `t`, produced on the stamped stream, safe to use on the current one.
-  void hand_over(const at::Tensor& t) const;
+  // Makes `storage`, written on the stamped stream, safe to use on the
+  // current one.
+  void hand_over(const c10::Storage& storage) const;
 
  private:
   std::optional<c10::Stream> stream_;

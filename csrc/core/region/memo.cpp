@@ -1,0 +1,43 @@
+#include "memo.h"
+
+namespace torch_sac::region {
+
+void Memo::hold(c10::Storage storage, int32_t state, StreamStamp stream) {
+  weak_.emplace(storage.getWeakStorageImpl());
+  strong_ = std::move(storage);
+  state_ = state;
+  stream_ = stream;
+}
+
+void Memo::weaken() {
+  strong_ = c10::Storage();
+}
+
+void Memo::clear() {
+  strong_ = c10::Storage();
+  weak_.reset();
+  state_ = -1;
+}
+
+bool Memo::gone() const {
+  return !strong_ && (!weak_ || weak_->expired());
+}
+
+c10::Storage Memo::at_state(int32_t state) const {
+  if (state != state_) {
+    return c10::Storage();
+  }
+  c10::Storage storage = strong_;
+  if (!storage && weak_) {
+    auto alive = weak_->lock();
+    if (alive) {
+      storage = c10::Storage(std::move(alive));
+    }
+  }
+  if (storage) {
+    stream_.hand_over(storage);
+  }
+  return storage;
+}
+
+} // namespace torch_sac::region

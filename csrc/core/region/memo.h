@@ -1,0 +1,43 @@
+#pragma once
+// A rebuilt storage the region keeps for later unpacks in this backward pass.
+//
+// Held strongly while autograd will still unpack the storage, weakly once it
+// has unpacked it for the last time: the node that did holds the tensor
+// while it runs and may have more saved tensors to rebuild from it
+// (BatchNorm unpacks its input, then its mean and invstd, which replay from
+// that input), and then frees it, which ends the memo at no cost.
+
+#include <c10/core/Storage.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <optional>
+
+#include "stream_sync.h"
+
+namespace torch_sac::region {
+
+class Memo {
+ public:
+  void hold(c10::Storage storage, int32_t state, StreamStamp stream);
+  void weaken();
+  void clear();
+  bool strong() const {
+    return static_cast<bool>(strong_);
+  }
+  // Neither held nor watched: the memo can be forgotten.
+  bool gone() const;
+  // The storage at `state`, if kept and still alive, usable on the current
+  // stream; a null storage otherwise.
+  c10::Storage at_state(int32_t state) const;
+  int64_t strong_bytes() const {
+    return strong_ ? static_cast<int64_t>(strong_.nbytes()) : 0;
+  }
+
+ private:
+  c10::Storage strong_;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak_;
+  int32_t state_ = -1;
+  StreamStamp stream_;
+};
+
+} // namespace torch_sac::region
