@@ -14,7 +14,6 @@ import threading
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -22,7 +21,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import torch_sac
 from conftest import (
-    LOSS_SEED,
     RUN_SEED,
     RunResult,
     assert_buffers_equal,
