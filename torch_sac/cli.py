@@ -197,7 +197,15 @@ def _grad_diff(grads, ref):
 
 def run(args, out=print):
     """Runs the comparison for parsed ``args``; returns the results dict."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, out):
     torch_sac.memory.install_counting_allocator()
     names = list(args.policies)
     notes = []

@@ -89,7 +89,7 @@ class profile:
             region boundaries; then call :meth:`end_forward` to get
             activation memory.
         flops (bool): count FLOPs with :mod:`torch.utils.flop_counter`'s
-            formulas (needs ``timeline=True``; default ``True``).
+            formulas (needs ``timeline=True``; default: ``timeline``).
         label (str, optional): a name for tables and plots.
 
     Example::
@@ -145,9 +145,11 @@ class profile:
         * Under ``torch.compile`` the regions are PyTorch's and not profiled.
     """
 
-    def __init__(self, device="cpu", *, timeline=True, flops=True, label=None):
+    def __init__(self, device="cpu", *, timeline=True, flops=None, label=None):
         if not isinstance(timeline, bool):
             raise TypeError(f"torch_sac.profile: timeline must be a bool, got {timeline!r}")
+        if flops is None:
+            flops = timeline
         if not isinstance(flops, bool):
             raise TypeError(f"torch_sac.profile: flops must be a bool, got {flops!r}")
         if flops and not timeline:

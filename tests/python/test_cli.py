@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO_ROOT
 from torch_sac import cli
@@ -22,8 +23,10 @@ def run_main(argv, capsys):
 
 def test_all_policies_end_to_end(tmp_path, capsys):
     plot, js = tmp_path / "t.png", tmp_path / "t.json"
-    code, out = run_main(TINY + ["--plot", str(plot), "--json", str(js)], capsys)
+    threads = torch.get_num_threads()
+    code, out = run_main(TINY + ["--plot", str(plot), "--json", str(js), "--threads", "1"], capsys)
     assert code == 0, out
+    assert torch.get_num_threads() == threads  # --threads does not leak out of main()
     for name in cli.DEFAULT_POLICIES:
         assert f"\n{name} " in out, name
     assert "gradients bitwise equal to no checkpointing for every policy: True" in out
