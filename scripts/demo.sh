@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up, then trains a small model with torch_sac and prints what was saved,
-# dropped and recomputed.
+# Sets up, then profiles training steps of a small GPT under several
+# checkpointing policies and budgets (python -m torch_sac): the comparison
+# table, the budget checks, and the memory-time trade-off plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python -m torch_sac.demo "$@"
+python -m torch_sac "$@"

@@ -11,6 +11,7 @@ from . import _C, memory, policies
 from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
+from .profiler import profile
 from .region import checkpoint, sac_context
 from .scopes import name
 from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
@@ -24,6 +25,7 @@ __all__ = [
     "memory",
     "name",
     "policies",
+    "profile",
     "sac_context",
 ]
 

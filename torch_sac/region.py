@@ -21,6 +21,15 @@ def _stack():
     return _active.regions
 
 
+def _observers():
+    """Objects told when an outermost region starts and ends on this thread
+    (``torch_sac.profile`` registers itself here while it is active). Each has
+    ``_region_entered(ctx)`` and ``_region_exited(ctx)``."""
+    if not hasattr(_active, "observers"):
+        _active.observers = []
+    return _active.observers
+
+
 class sac_context:
     """Selective activation checkpointing for the code inside a ``with`` block.
 
@@ -101,6 +110,9 @@ class sac_context:
                 self._region.close,
             ]
         stack.append(self)
+        if self._owner:
+            for observer in list(_observers()):
+                observer._region_entered(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -114,6 +126,9 @@ class sac_context:
         exits, self._exits = self._exits, []
         for undo in reversed(exits):
             undo()
+        if self._owner:
+            for observer in list(_observers()):
+                observer._region_exited(self)
         return False
 
     def stats(self):

@@ -3,6 +3,9 @@
 // autograd metadata.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <optional>
 
 namespace torch_sac {
 
@@ -14,6 +17,17 @@ inline at::Tensor detached_alias(const at::Tensor& t) {
     return t;
   }
   auto* impl = t.unsafeGetTensorImpl();
+  // With a TorchDispatchMode on this thread, shallow_copy_and_detach asks
+  // the innermost mode to detach. That would show torch_sac's bookkeeping to
+  // the user's modes (with the Python-key adapter the region's own mode is
+  // popped while it handles an op, so modes entered before the region see
+  // it), and a mode gets a wrapped number (`x * 2.0`) as a Python float and
+  // cannot detach it. Tensor subclasses (Python key in their own key set)
+  // still detach through Python.
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_modes;
+  if (!impl->key_set().has(c10::DispatchKey::Python)) {
+    no_modes.emplace(c10::DispatchKey::Python);
+  }
   return at::Tensor(impl->shallow_copy_and_detach(
       /*version_counter=*/impl->version_counter(),
       /*allow_tensor_metadata_change=*/false));

@@ -1,0 +1,830 @@
+"""``torch_sac.profile``: what selective checkpointing kept, dropped and cost.
+
+See :class:`profile`. How it measures is described in the "Profiler" section
+of ``docs/design.md``.
+"""
+
+import importlib
+import json
+import threading
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _C, memory
+from ._adapter import adapter
+from ._op_profile import format_bytes
+from .region import _observers
+
+__all__ = ["profile", "plot_memory"]
+
+FORMAT = "torch_sac.profile/1"
+
+# Per-op counters read from the regions (sac_context.op_details()).
+_OP_FIELDS = ("saved", "dropped", "saved_bytes", "dropped_bytes", "replayed", "replay_ns")
+# Region counters summed into the totals (sac_context.stats()).
+_REGION_FIELDS = (
+    "policy_calls", "saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "held_bytes",
+    "packed_kept", "packed_dropped", "unpacked_original", "replayed_ops", "replay_ns", "record_ns",
+)
+
+
+def _op_name(func):
+    """``aten::mm.default``: the spelling the region engine uses."""
+    return f"{func._schema.name}.{func._overloadname or 'default'}"
+
+
+class _Sampler(TorchDispatchMode):
+    """Sees every op dispatched on this thread while the profile is active
+    (forward, backward, and torch.utils.checkpoint's recompute; not the
+    region engine's replays, which run below the Python key). Per op: memory
+    after it and its peak, FLOPs, and the forward/backward boundary."""
+
+    def __init__(self, prof):
+        super().__init__()
+        self._prof = prof
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        prof = self._prof
+        if prof._phase == "forward" and torch._C._current_autograd_node() is not None:
+            prof._begin_backward("first backward op")
+        out = func(*args, **kwargs)
+        flops = prof._flops_of(func, args, kwargs, out)
+        prof._op_done(func, flops)
+        return out
+
+
+class profile:
+    r"""Profiles selective activation checkpointing over a block of code.
+
+    For every :class:`torch_sac.sac_context` region (and
+    :func:`torch_sac.checkpoint`) entered on this thread while the profile
+    is active, records per op overload the policy outcome (calls whose new
+    outputs were saved or dropped), the bytes kept and dropped, how many
+    times backward replayed the op and how long that took. Around it,
+    measures the whole step: activation memory (bytes live after forward
+    minus before), the peak, forward, backward and replay time, FLOPs
+    (forward, backward and replayed) and the recording overhead of the
+    regions. Code that uses no region is profiled too (memory, time, FLOPs):
+    run the same step without checkpointing under another profile and pass
+    it as ``baseline`` to :meth:`plot`.
+
+    Put one training step's forward and backward in the block. The end of
+    forward is detected at the first op autograd's engine runs (or marked
+    with :meth:`end_forward`). Results are read when the block exits:
+    :meth:`table`, :meth:`to_dict`, :meth:`to_json`, :meth:`plot`,
+    :attr:`totals`, :attr:`ops`.
+
+    Args:
+        device: where to measure memory: ``"cpu"`` (default; torch_sac's
+            counting allocator, installed on first use) or a CUDA device
+            (the caching allocator's statistics).
+        timeline (bool): sample memory after every op (default ``True``),
+            through a ``TorchDispatchMode`` on this thread, for the memory
+            curve of :meth:`plot` and for the forward/backward split. It adds
+            a few microseconds of Python per op to the step (not to the
+            measured replay or recording times). ``False`` samples only at
+            region boundaries; then call :meth:`end_forward` to get
+            activation memory.
+        flops (bool): count FLOPs with :mod:`torch.utils.flop_counter`'s
+            formulas (needs ``timeline=True``; default: ``timeline``).
+        label (str, optional): a name for tables and plots.
+
+    Example::
+
+        >>> with torch_sac.profile() as prof:
+        ...     for block in model.blocks:
+        ...         with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
+        ...             x = block(x)
+        ...     loss = x.square().mean()
+        ...     loss.backward()
+        >>> print(prof.table())
+        >>> prof.totals["activation_bytes"], prof.totals["replay_ns"]
+        >>> prof.plot("sac.png", baseline=plain_prof)   # needs matplotlib
+
+    What the numbers are:
+
+    * ``saved``/``dropped``: calls whose *new* outputs the policy kept or
+      dropped (views and in-place ops allocate nothing and count in neither);
+      ``saved_bytes``/``dropped_bytes``: the storage bytes of those outputs.
+      Dropped bytes are what the region does not hold for backward; only the
+      part autograd would have saved is a saving.
+    * ``activation_bytes``: bytes allocated at the end of forward minus at
+      entry. It includes the forward's outputs still referenced (the loss,
+      and backward's gradient seed when the boundary is detected).
+      ``peak_bytes``: the highest level during the block, above the level at
+      entry.
+    * ``replay_ns``: time backward spent replaying dropped ops, measured in
+      C++ around each replayed op. ``record_ns``: time the regions spent
+      recording ops in forward, outside the ops themselves (the interception
+      overhead, not counting the adapter's own dispatch).
+    * FLOPs follow :class:`torch.utils.flop_counter.FlopCounterMode`:
+      matmuls, convolutions and attention; pointwise ops count 0.
+      ``forward_flops``/``backward_flops`` count every op dispatched (for
+      ``torch.utils.checkpoint`` the re-run forward lands in backward).
+      Replays run below the Python key, where no mode sees them, so
+      ``replay_flops`` is computed: per region and op, replays times the
+      FLOPs of that op's forward calls. Exact when those calls all cost the
+      same (``replay_flops_exact``); otherwise replays times their mean,
+      with ``replay_flops_low``/``high`` the cheapest/costliest calls.
+
+    Caveats:
+        * Regions entered on other threads are not seen; the counting
+          allocator counts every thread's CPU tensors.
+        * Run backward inside the block: region counters are read at exit,
+          and the profile then lets go of the regions.
+        * Tensors allocated before the counting allocator was installed are
+          not counted when freed, so the first profile in a process may see
+          them as never freed (install it early:
+          :func:`torch_sac.memory.install_counting_allocator`).
+        * On CUDA the per-op curve samples ``memory_allocated`` (no per-op
+          peak), peaks come from ``max_memory_allocated`` (reset at entry),
+          and times are host times: synchronise to time kernels.
+        * Under ``torch.compile`` the regions are PyTorch's and not profiled.
+    """
+
+    def __init__(self, device="cpu", *, timeline=True, flops=None, label=None):
+        if not isinstance(timeline, bool):
+            raise TypeError(f"torch_sac.profile: timeline must be a bool, got {timeline!r}")
+        if flops is None:
+            flops = timeline
+        if not isinstance(flops, bool):
+            raise TypeError(f"torch_sac.profile: flops must be a bool, got {flops!r}")
+        if flops and not timeline:
+            raise ValueError(
+                "torch_sac.profile: counting FLOPs needs timeline=True "
+                "(both see ops through the same dispatch mode); pass flops=False"
+            )
+        if label is not None and not isinstance(label, str):
+            raise TypeError(f"torch_sac.profile: label must be a str, got {label!r}")
+        self.device = memory._resolve_device(device)
+        self._cpu = self.device.type == "cpu"
+        self._timeline = timeline
+        self._count_flops = flops
+        self.label = label
+        self._state = "new"  # new -> active -> done
+        self._data = None
+
+    # ------------------------------------------------------------------
+    # Running
+    # ------------------------------------------------------------------
+
+    def __enter__(self):
+        if self._state != "new":
+            raise RuntimeError(
+                "torch_sac.profile: a profile object records one block; make a new one"
+            )
+        if self._cpu:
+            memory.install_counting_allocator()
+        if self._timeline:
+            # The first op through any TorchDispatchMode imports torch._dynamo
+            # (about a second, once per process): do it outside the step.
+            importlib.import_module("torch._dynamo")
+        if self._count_flops:
+            from torch.utils.flop_counter import flop_registry
+
+            self._flop_registry = flop_registry
+        self._regions = []      # per profiled region: a dict (see _region_entered)
+        self._open = []         # indices into _regions, innermost last
+        self._phase = "forward"
+        self._forward_end = None  # (sample index, how)
+        self._fwd_flops = self._bwd_flops = 0
+        self._outside_calls = self._outside_flops = 0
+        self._t = []            # sample times (ns since entry)
+        self._bytes = []        # allocated after the op / at the event, minus at entry
+        self._peaks = []        # highest level since the previous sample
+        self._labels = []
+        self._events = []       # (sample index, kind, region index or None)
+        self._whole = memory.MemoryTracker(self.device)
+        self._fwd = memory.MemoryTracker(self.device)
+        self._bwd = memory.MemoryTracker(self.device)
+        self._whole.__enter__()
+        self._fwd.__enter__()
+        self._start = self._whole.start
+        self._t0 = time.perf_counter_ns()
+        self._t_forward_end = None
+        self._lock = threading.Lock()
+        # CPU: a chain of peak windows, one open at a time, closed and
+        # replaced at every sample, so each sample's peak covers everything
+        # since the previous one (the op, and replays or autograd's own
+        # allocations between ops).
+        self._window = _C.CpuPeakWindow() if self._cpu else None
+        self._sample("start")
+        self._state = "active"
+        _observers().append(self)
+        self._mode = None
+        if self._timeline:
+            self._mode = _Sampler(self)
+            try:
+                self._mode.__enter__()
+            except BaseException:
+                self._abandon(close_window=True)
+                raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._state != "active":
+            return False
+        t_end = time.perf_counter_ns()
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+        finally:
+            self._abandon()
+        self._sample("end", t=t_end, last=True)
+        self._events.append((len(self._t) - 1, "end", None))
+        self._data = self._build(t_end)
+        self._regions = self._open = None  # let go of the regions
+        self._state = "done"
+        return False
+
+    def _abandon(self, close_window=False):
+        observers = _observers()
+        if self in observers:
+            observers.remove(self)
+        if close_window and self._window is not None:
+            self._window.close()
+            self._window = None
+        for tracker in (self._fwd, self._bwd, self._whole):
+            if tracker._window is not None:
+                tracker.__exit__(None, None, None)
+        self._state = "done"
+
+    def end_forward(self):
+        """Marks the end of forward now: activation memory is measured here.
+
+        Optional with ``timeline=True``, where the first op autograd's engine
+        runs marks it. Call it before ``backward()``; a second call, or one
+        after backward started, raises.
+        """
+        if self._state != "active":
+            raise RuntimeError("torch_sac.profile.end_forward: the profile is not active")
+        if self._phase != "forward":
+            raise RuntimeError(
+                "torch_sac.profile.end_forward: forward already ended "
+                f"({self._forward_end[1]})"
+            )
+        self._begin_backward("end_forward()")
+
+    # Hooks ---------------------------------------------------------------
+
+    def _current(self):
+        if self._cpu:
+            return _C.cpu_memory_stats().allocated
+        return torch.cuda.memory_allocated(self.device.index)
+
+    def _sample(self, label, t=None, last=False):
+        with self._lock:
+            window = self._window
+            if window is not None:
+                window.close()
+                allocated, peak = window.current, window.peak
+                self._window = None if last else _C.CpuPeakWindow()
+            else:
+                allocated = peak = self._current()
+            t = time.perf_counter_ns() if t is None else t
+            self._t.append(t - self._t0)
+            self._bytes.append(allocated - self._start)
+            self._peaks.append(peak - self._start)
+            self._labels.append(label)
+
+    def _begin_backward(self, how):
+        self._sample("forward end")
+        self._forward_end = (len(self._t) - 1, how)
+        self._events.append((len(self._t) - 1, "forward_end", None))
+        self._t_forward_end = time.perf_counter_ns()
+        self._fwd.__exit__(None, None, None)
+        self._bwd.__enter__()
+        self._phase = "backward"
+
+    def _region_entered(self, ctx):
+        index = len(self._regions)
+        self._regions.append({"ctx": ctx, "ops": {}, "enter": None, "exit": None})
+        self._open.append(index)
+        self._sample(f"region {index} enter")
+        self._regions[index]["enter"] = len(self._t) - 1
+        self._events.append((len(self._t) - 1, "region_enter", index))
+
+    def _region_exited(self, ctx):
+        for pos in range(len(self._open) - 1, -1, -1):
+            index = self._open[pos]
+            if self._regions[index]["ctx"] is ctx:
+                del self._open[pos]
+                self._sample(f"region {index} exit")
+                self._regions[index]["exit"] = len(self._t) - 1
+                self._events.append((len(self._t) - 1, "region_exit", index))
+                return
+
+    def _flops_of(self, func, args, kwargs, out):
+        if not self._count_flops:
+            return 0
+        formula = self._flop_registry.get(func._overloadpacket)
+        if formula is None:
+            return 0
+        try:
+            return int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a shape the formula does not handle: count nothing
+            return 0
+
+    def _op_done(self, func, flops):
+        self._sample(func)  # the op's name is formatted when the profile is built
+        if self._phase == "backward":
+            self._bwd_flops += flops
+            return
+        self._fwd_flops += flops
+        recorded = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if self._open and recorded:
+            ops = self._regions[self._open[-1]]["ops"]
+            ops.setdefault(_op_name(func), []).append(flops)
+        else:
+            self._outside_calls += 1
+            self._outside_flops += flops
+
+    # ------------------------------------------------------------------
+    # Results
+    # ------------------------------------------------------------------
+
+    def _build(self, t_end):
+        ops = {}
+        regions = []
+        totals = {k: 0 for k in _REGION_FIELDS}
+        exact = True
+        replay_low = replay_high = replay_est = 0.0
+        region_fwd_flops = 0
+        for index, r in enumerate(self._regions):
+            ctx = r["ctx"]
+            stats = ctx.stats()
+            details = ctx.op_details()
+            for k in _REGION_FIELDS:
+                totals[k] += stats[k]
+            calls = r["ops"]
+            region_flops = 0
+            for d in details:
+                row = ops.setdefault(d["op"], _empty_row(d["op"]))
+                for k in _OP_FIELDS:
+                    row[k] += d[k]
+                flops = calls.get(d["op"], [])
+                row["forward_calls"] += len(flops)
+                row["forward_flops"] += sum(flops)
+                region_flops += sum(flops)
+                est, low, high, ok = _replay_flops(d["replayed"], flops)
+                row["replay_flops"] += est
+                row["replay_flops_low"] += low
+                row["replay_flops_high"] += high
+                row["replay_flops_exact"] = row["replay_flops_exact"] and ok
+                replay_est += est
+                replay_low += low
+                replay_high += high
+                exact = exact and ok
+            region_fwd_flops += region_flops
+            enter, exit_ = r["enter"], r["exit"]
+            regions.append({
+                "index": index,
+                "enter_sample": enter,
+                "exit_sample": exit_,
+                "forward_delta_bytes": (
+                    None if exit_ is None else self._bytes[exit_] - self._bytes[enter]
+                ),
+                "forward_flops": region_flops if self._count_flops else None,
+                "stats": {k: int(v) for k, v in stats.items()},
+            })
+        flop_keys = ("forward_flops", "replay_flops", "replay_flops_low", "replay_flops_high")
+        rows = []
+        for row in ops.values():
+            for k in flop_keys:
+                row[k] = _round(row[k]) if self._count_flops else None
+            if not self._count_flops:
+                row["replay_flops_exact"] = None
+            rows.append(row)
+        fwd_end = self._forward_end
+        step_ns = t_end - self._t0
+        forward_ns = (self._t_forward_end - self._t0) if fwd_end else step_ns
+        totals.update({
+            "regions": len(regions),
+            "activation_bytes": self._fwd.delta if fwd_end else None,
+            "peak_bytes": self._whole.peak,
+            "forward_peak_bytes": self._fwd.peak,
+            "backward_peak_bytes": (
+                self._bwd.start - self._start + self._bwd.peak if fwd_end else None
+            ),
+            "end_bytes": self._whole.delta,
+            "step_ns": step_ns,
+            "forward_ns": forward_ns,
+            "backward_ns": (t_end - self._t_forward_end) if fwd_end else None,
+        })
+        if self._count_flops:
+            totals.update({
+                "forward_flops": self._fwd_flops,
+                "backward_flops": self._bwd_flops,
+                "region_forward_flops": region_fwd_flops,
+                "replay_flops": _round(replay_est),
+                "replay_flops_low": _round(replay_low),
+                "replay_flops_high": _round(replay_high),
+                "replay_flops_exact": exact,
+            })
+        else:
+            for k in ("forward_flops", "backward_flops", "region_forward_flops", "replay_flops",
+                      "replay_flops_low", "replay_flops_high", "replay_flops_exact"):
+                totals[k] = None
+        labels = [
+            label if isinstance(label, str) else _op_name(label) for label in self._labels
+        ]
+        return {
+            "format": FORMAT,
+            "label": self.label,
+            "device": str(self.device),
+            "adapter": adapter(),
+            "torch": torch.__version__,
+            "timeline_sampling": "op" if self._timeline else "regions",
+            "forward_end": (
+                None if fwd_end is None else {"sample": fwd_end[0], "detected_by": fwd_end[1]}
+            ),
+            "totals": totals,
+            "ops": rows,
+            "regions": regions,
+            "outside_regions": {
+                "forward_calls": self._outside_calls if self._timeline else None,
+                "forward_flops": self._outside_flops if self._count_flops else None,
+            },
+            "timeline": {
+                "t_ns": list(self._t),
+                "bytes": list(self._bytes),
+                "peak_bytes": list(self._peaks),
+                "label": labels,
+            },
+            "events": [
+                {"sample": i, "kind": kind, "region": region} for i, kind, region in self._events
+            ],
+        }
+
+    def _results(self, what):
+        if self._state == "new":
+            raise RuntimeError(
+                f"torch_sac.profile.{what}: nothing profiled yet; use "
+                "`with torch_sac.profile() as prof:` around a forward and backward first"
+            )
+        if self._state == "active":
+            raise RuntimeError(
+                f"torch_sac.profile.{what}: the profile is still running; "
+                "read it after the `with` block"
+            )
+        if self._data is None:
+            raise RuntimeError(f"torch_sac.profile.{what}: the profile failed to start")
+        return self._data
+
+    @property
+    def totals(self):
+        """The totals (a dict; see the class docstring and :meth:`to_dict`)."""
+        return self._results("totals")["totals"]
+
+    @property
+    def ops(self):
+        """Per op overload, summed over the regions: a list of dicts."""
+        return self._results("ops")["ops"]
+
+    def to_dict(self):
+        """Everything measured, as plain JSON-serialisable data.
+
+        Keys: ``totals``; ``ops`` (per op overload, summed over the regions:
+        ``saved``, ``dropped``, ``saved_bytes``, ``dropped_bytes``,
+        ``replayed``, ``replay_ns``, ``forward_calls``, ``forward_flops``,
+        ``replay_flops`` [+ ``_low``, ``_high``, ``_exact``]); ``regions``
+        (per region: its ``stats()``, bytes it added in forward, FLOPs);
+        ``outside_regions``; ``timeline`` (per sample: ``t_ns`` since entry,
+        ``bytes`` allocated and ``peak_bytes`` reached during the op, both
+        above the level at entry, ``label``: the op or the event);
+        ``events`` (region enter/exit, forward end); ``forward_end``;
+        ``device``, ``adapter``, ``torch``, ``label``, ``format``.
+        :meth:`from_dict` makes a profile from it again.
+        """
+        return json.loads(json.dumps(self._results("to_dict")))
+
+    def to_json(self, path):
+        """Writes :meth:`to_dict` to ``path`` as JSON."""
+        data = self._results("to_json")
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, data):
+        """A finished profile from :meth:`to_dict`'s output (e.g. read back
+        from :meth:`to_json`), for :meth:`table` and :meth:`plot`."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(
+                f"torch_sac.profile.from_dict: not a {FORMAT} dict "
+                f"(format {data.get('format') if isinstance(data, dict) else type(data).__name__!r})"
+            )
+        prof = cls.__new__(cls)
+        prof.device = torch.device(data["device"])
+        prof._cpu = prof.device.type == "cpu"
+        prof._timeline = data["timeline_sampling"] == "op"
+        prof._count_flops = data["totals"]["forward_flops"] is not None
+        prof.label = data["label"]
+        prof._state = "done"
+        prof._data = json.loads(json.dumps(data))
+        return prof
+
+    def table(self, max_rows=None, sort_by="bytes"):
+        """A text table: one row per op overload (summed over the regions), a
+        total row, then memory, time and FLOP totals.
+
+        Args:
+            max_rows (int, optional): show at most this many op rows.
+            sort_by (str): ``"bytes"`` (kept + dropped, default),
+                ``"replay_ns"``, ``"replayed"`` or ``"order"`` (first seen).
+
+        Ops that allocated nothing and were never replayed (views) are
+        left out and counted in a note.
+        """
+        data = self._results("table")
+        if sort_by not in ("bytes", "replay_ns", "replayed", "order"):
+            raise ValueError(
+                "torch_sac.profile.table: sort_by must be 'bytes', 'replay_ns', "
+                f"'replayed' or 'order', got {sort_by!r}"
+            )
+        return _format_table(data, max_rows, sort_by)
+
+    def __repr__(self):
+        if self._state != "done" or self._data is None:
+            return f"<torch_sac.profile {self._state}>"
+        t = self._data["totals"]
+        return (
+            f"<torch_sac.profile{' ' + self.label if self.label else ''}: {t['regions']} regions, activations "
+            f"{format_bytes(t['activation_bytes'])}, peak {format_bytes(t['peak_bytes'])}, "
+            f"replay {t['replay_ns'] / 1e6:.2f} ms>"
+        )
+
+    def plot(self, path, baseline=None):
+        """Saves a figure to ``path`` (PNG, SVG, PDF: by extension).
+
+        Top: tensor memory over the step (above the level at entry) against
+        time, with op-level peaks, forward/backward boundary and region
+        spans; with ``baseline`` (another finished profile, e.g. the same
+        step without checkpointing, or a dict ``{label: profile}``) the
+        curves are drawn together. Bottom (when regions were profiled):
+        bytes kept vs dropped per op overload.
+
+        Needs matplotlib (uses the Agg backend; never opens a window).
+
+        Raises:
+            ImportError: matplotlib is not installed.
+        """
+        data = self._results("plot")
+        curves = {}
+        if baseline is not None:
+            if isinstance(baseline, profile):
+                baseline = {baseline.label or "baseline": baseline}
+            if not isinstance(baseline, dict) or not all(isinstance(p, profile) for p in baseline.values()):
+                raise TypeError(
+                    "torch_sac.profile.plot: baseline must be a torch_sac.profile or a "
+                    "dict {label: torch_sac.profile}"
+                )
+            for name, p in baseline.items():
+                curves[name] = p._results("plot")
+        curves[self.label or "this profile"] = data
+        with_ops = bool(data["ops"])
+        fig = _figure(figsize=(10, 8.5 if with_ops else 4.5))
+        axes = fig.subplots(2 if with_ops else 1, 1, squeeze=False)
+        _plot_timelines(axes[0][0], curves, highlight=self.label or "this profile")
+        if with_ops:
+            _plot_kept_dropped(axes[1][0], data)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return path
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+def _empty_row(op):
+    row = {"op": op}
+    row.update({k: 0 for k in _OP_FIELDS})
+    row.update({
+        "forward_calls": 0, "forward_flops": 0, "replay_flops": 0.0, "replay_flops_low": 0,
+        "replay_flops_high": 0, "replay_flops_exact": True,
+    })
+    return row
+
+
+def _round(x):
+    return int(round(x))
+
+
+def _replay_flops(replays, flops):
+    """(estimate, low, high, exact) FLOPs of ``replays`` replays of an op whose
+    forward calls in the region cost ``flops`` each."""
+    if replays == 0 or not flops or max(flops) == 0:
+        return 0, 0, 0, True
+    lo, hi = min(flops), max(flops)
+    if lo == hi:
+        return replays * lo, replays * lo, replays * lo, True
+    ordered = sorted(flops)
+    if replays <= len(ordered):
+        low, high = sum(ordered[:replays]), sum(ordered[-replays:])
+    else:  # replayed more often than called (retain_graph=True)
+        low, high = replays * lo, replays * hi
+    return replays * sum(flops) / len(flops), low, high, False
+
+
+def _ms(ns):
+    return "-" if ns is None else f"{ns / 1e6:.2f} ms"
+
+
+def _flops_str(f):
+    if f is None:
+        return "-"
+    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(f) >= scale:
+            return f"{f / scale:.3g} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def _format_table(data, max_rows, sort_by):
+    t = data["totals"]
+    lines = []
+    title = "torch_sac.profile" + (f" [{data['label']}]" if data["label"] else "")
+    lines.append(
+        f"{title}: {t['regions']} sac_context region(s), device {data['device']}, "
+        f"adapter {data['adapter']}"
+    )
+    rows = [r for r in data["ops"] if r["saved"] or r["dropped"] or r["replayed"]]
+    hidden = len(data["ops"]) - len(rows)
+    keys = {
+        "bytes": lambda r: -(r["saved_bytes"] + r["dropped_bytes"]),
+        "replay_ns": lambda r: -r["replay_ns"],
+        "replayed": lambda r: -r["replayed"],
+    }
+    if sort_by in keys:
+        rows = sorted(rows, key=keys[sort_by])
+    shown = rows if max_rows is None else rows[:max_rows]
+    flops = t["forward_flops"] is not None
+    if not data["ops"]:
+        lines.append(
+            "no sac_context region was entered while profiling: no per-op rows "
+            "(memory, time and FLOP totals below cover the whole block)"
+        )
+    else:
+        header = ["op", "saved", "dropped", "kept", "dropped", "replayed", "replay time"]
+        if flops:
+            header.append("replay FLOPs")
+        table = [header, ["", "calls", "calls", "bytes", "bytes", "", ""] + ([""] if flops else [])]
+
+        def fmt(r):
+            cells = [
+                r["op"], str(r["saved"]), str(r["dropped"]), format_bytes(r["saved_bytes"]),
+                format_bytes(r["dropped_bytes"]), str(r["replayed"]), _ms(r["replay_ns"]),
+            ]
+            if flops:
+                est = _flops_str(r["replay_flops"])
+                cells.append(est if r["replay_flops_exact"] else "~" + est)
+            return cells
+
+        table += [fmt(r) for r in shown]
+        total = {
+            "op": "total",
+            "saved": t["saved_ops"], "dropped": t["dropped_ops"],
+            "saved_bytes": t["saved_bytes"], "dropped_bytes": t["dropped_bytes"],
+            "replayed": t["replayed_ops"], "replay_ns": t["replay_ns"],
+            "replay_flops": t["replay_flops"], "replay_flops_exact": t["replay_flops_exact"],
+        }
+        table.append(fmt(total))
+        widths = [max(len(r[c]) for r in table) for c in range(len(header))]
+        out = []
+        for i, r in enumerate(table):
+            cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+            out.append("  ".join(cells).rstrip())
+            if i == 1 or i == len(table) - 2:
+                out.append("  ".join("-" * w for w in widths))
+        lines += out
+        notes = []
+        if len(shown) < len(rows):
+            notes.append(f"{len(rows) - len(shown)} more op rows not shown")
+        if hidden:
+            notes.append(f"{hidden} ops that allocated nothing and were never replayed (views) not shown")
+        if notes:
+            lines.append("(" + "; ".join(notes) + ")")
+    lines.append(
+        f"memory:  activations {format_bytes(t['activation_bytes'])} (live at end of forward "
+        f"minus at entry{'' if t['activation_bytes'] is not None else ': forward end unknown, call end_forward()'}), "
+        f"peak {format_bytes(t['peak_bytes'])} (forward {format_bytes(t['forward_peak_bytes'])}, "
+        f"backward {format_bytes(t['backward_peak_bytes'])}), left at exit {format_bytes(t['end_bytes'])}"
+    )
+    if data["ops"]:
+        lines.append(
+            f"regions: {t['policy_calls']} policy calls; kept {format_bytes(t['saved_bytes'])} "
+            f"({t['saved_ops']} ops), dropped {format_bytes(t['dropped_bytes'])} ({t['dropped_ops']} ops); "
+            f"autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as references"
+            + (f"; held copies {format_bytes(t['held_bytes'])}" if t["held_bytes"] else "")
+        )
+    lines.append(
+        f"time:    step {_ms(t['step_ns'])} (forward {_ms(t['forward_ns'])}, backward "
+        f"{_ms(t['backward_ns'])}); replay {_ms(t['replay_ns'])} ({t['replayed_ops']} ops); "
+        f"recording overhead {_ms(t['record_ns'])}"
+        + ("; per-op sampling adds Python time to the step" if data["timeline_sampling"] == "op" else "")
+    )
+    if flops:
+        replay = _flops_str(t["replay_flops"])
+        if not t["replay_flops_exact"]:
+            replay = (
+                f"~{replay} (estimate: {_flops_str(t['replay_flops_low'])} to "
+                f"{_flops_str(t['replay_flops_high'])})"
+            )
+        pct = ""
+        if t["region_forward_flops"]:
+            pct = f", {100.0 * t['replay_flops'] / t['region_forward_flops']:.0f}% of the regions' forward"
+        lines.append(
+            f"FLOPs:   forward {_flops_str(t['forward_flops'])}, backward "
+            f"{_flops_str(t['backward_flops'])}, replayed {replay}{pct}"
+        )
+    return "\n".join(lines)
+
+
+def _figure(**kwargs):
+    """A matplotlib Figure rendered by Agg, without pyplot: nothing global
+    (the user's backend, open figures) is touched and no window opens."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            "torch_sac.profile.plot needs matplotlib: pip install matplotlib "
+            "(or pip install -r requirements-dev.txt)"
+        ) from e
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _mib(values):
+    return [v / 2**20 for v in values]
+
+
+def _plot_timelines(ax, curves, highlight):
+    """Memory against time, one curve per finished profile's data. The
+    ``highlight`` curve is drawn thicker, with its regions shaded; op-level
+    peaks are drawn thin when there are at most two curves."""
+    peaks = len(curves) <= 2
+    for name, data in curves.items():
+        tl = data["timeline"]
+        t_ms = [t / 1e6 for t in tl["t_ns"]]
+        width = 2.0 if name == highlight or name == "none" else 1.3
+        (line,) = ax.plot(t_ms, _mib(tl["bytes"]), lw=width, label=name, drawstyle="steps-post")
+        if peaks and data["timeline_sampling"] == "op":
+            ax.plot(t_ms, _mib(tl["peak_bytes"]), lw=0.6, color=line.get_color(), alpha=0.45)
+        fe = data["forward_end"]
+        if fe is not None:
+            ax.axvline(t_ms[fe["sample"]], color=line.get_color(), ls=":", lw=1)
+        if name == highlight:
+            for r in data["regions"]:
+                if r["exit_sample"] is not None:
+                    ax.axvspan(t_ms[r["enter_sample"]], t_ms[r["exit_sample"]],
+                               color=line.get_color(), alpha=0.07, lw=0)
+    what = ["dotted: end of forward"]
+    if highlight is not None and curves.get(highlight, {}).get("regions"):
+        what.append("shaded: regions")
+    ax.set_xlabel(f"time since step start (ms; {', '.join(what)})")
+    ax.set_ylabel("tensor memory above start (MiB)")
+    ax.set_title("Memory over the step" + (" (thin: peak within each op)" if peaks else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _plot_kept_dropped(ax, data, max_ops=20):
+    rows = [r for r in data["ops"] if r["saved_bytes"] or r["dropped_bytes"]]
+    rows = sorted(rows, key=lambda r: -(r["saved_bytes"] + r["dropped_bytes"]))[:max_ops]
+    rows.reverse()
+    names = [r["op"].replace("aten::", "") for r in rows]
+    kept = [r["saved_bytes"] / 2**20 for r in rows]
+    dropped = [r["dropped_bytes"] / 2**20 for r in rows]
+    y = range(len(rows))
+    ax.barh(y, kept, color="tab:blue", label="kept (saved)")
+    ax.barh(y, dropped, left=kept, color="tab:orange", label="dropped (recompute)")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xlabel("MiB (new outputs, summed over regions)")
+    ax.set_title("Bytes kept vs dropped per op")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_memory(profiles, path, title=None):
+    """Saves the memory-over-time curves of several finished profiles,
+    ``{label: profile}``, in one plot (e.g. one step under several policies).
+
+    Needs matplotlib (Agg backend).
+    """
+    if not isinstance(profiles, dict) or not profiles:
+        raise TypeError("torch_sac.profiler.plot_memory: pass a non-empty dict {label: torch_sac.profile}")
+    fig = _figure(figsize=(10, 4.5))
+    ax = fig.subplots()
+    curves = {name: p._results("plot") for name, p in profiles.items()}
+    _plot_timelines(ax, curves, highlight=None)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
