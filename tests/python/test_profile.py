@@ -137,8 +137,9 @@ def test_profiling_changes_neither_gradients_nor_memory():
     # tensor slot (the attention scale, `att * 0.25`) reaches a mode below
     # it as a Python float and is wrapped again as an 8-byte tensor: with the
     # sampler the region keeps that one for replay while autograd keeps the
-    # original (GPTBlock has one such op per block).
-    assert measured[0][1] == measured[1][1]
+    # original (GPTBlock has one such op per block); the peak can include
+    # some of those 8-byte copies too.
+    assert 0 <= measured[0][1] - measured[1][1] <= 4 * 8
     assert measured[0][0] - measured[1][0] in (0, 4 * 8)
 
 
