@@ -24,12 +24,15 @@ exact's (exact is optimal).
 
 Part 2, memory / step time. A stack of pre-LN GPT blocks (tests/python/models.py
 ``GPTBlock``: attention written out with matmuls, softmax, dropout, GELU MLP,
-in-place residual adds), each block one
+in-place residual adds), each block checkpointed on its own: by default in a
+``torch_sac.sac_context(policy)`` region (``--engine contexts``: with
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)``
-region with ``torch_sac.create_selective_checkpoint_contexts``:
+and ``torch_sac.create_selective_checkpoint_contexts``):
 
 * ``no checkpoint``: plain autograd, the reference for memory and time;
-* ``recompute_all``: full activation checkpointing;
+* ``torch checkpoint``: PyTorch's full checkpointing
+  (``torch.utils.checkpoint``, recompute everything), the target's baseline;
+* ``recompute_all``: full checkpointing with torch_sac's engine;
 * ``save_matmuls``: save mm/addmm/bmm outputs (torchtitan-style);
 * ``budget f``: ``torch_sac.policies.budget(block, x, fraction=f)``, the plan
   made once from block 0 and used for every block;
@@ -48,7 +51,7 @@ on a shared machine hits them alike. Overhead = step time minus the
 no-checkpoint step time of the same round (median over rounds).
 
 The target: at 50% of the un-checkpointed activation memory, the step-time
-overhead is at most half that of full checkpointing.
+overhead is at most half that of PyTorch's full checkpointing.
 
 Usage::
 
@@ -244,13 +247,27 @@ def make_input(args):
     return torch.randn(args.batch, args.seq, args.d_model, generator=g).requires_grad_(True)
 
 
+# How each block is checkpointed with a policy: "region" (torch_sac.sac_context)
+# or "contexts" (torch.utils.checkpoint + torch_sac's drop-in contexts).
+ENGINE = "region"
+TORCH_CHECKPOINT = "torch checkpoint"  # sentinel policy: torch.utils.checkpoint, full recompute
+
+
 def forward(model, x, policy):
     if policy is None:
         return model(x)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
     h = x
-    for block in model:
-        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=ctx_fn)
+    if policy is TORCH_CHECKPOINT:
+        for block in model:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+    elif ENGINE == "region":
+        for block in model:
+            with torch_sac.sac_context(policy):
+                h = block(h)
+    else:
+        ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
+        for block in model:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=ctx_fn)
     return h
 
 
@@ -297,7 +314,8 @@ def bench_tradeoff(args, fractions):
     t0 = time.perf_counter()
     plan = torch_sac.policies.budget(model[0], block_x, fraction=1.0, repeats=args.repeats)
     profile_s = time.perf_counter() - t0
-    configs = [("no checkpoint", None), ("recompute_all", torch_sac.policies.recompute_all()),
+    configs = [("no checkpoint", None), (TORCH_CHECKPOINT, TORCH_CHECKPOINT),
+               ("recompute_all", torch_sac.policies.recompute_all()),
                ("save_matmuls", torch_sac.policies.save_matmuls())]
     plans = {}
     for f in fractions:
@@ -359,7 +377,7 @@ def bench_tradeoff(args, fractions):
 def print_tradeoff(rows, info, args):
     print(f"\n== {args.model}: {MODELS[args.model][0]}; {args.layers} blocks, d_model {args.d_model}, "
           f"{args.heads} heads, batch {args.batch}, seq {args.seq}; {torch.get_num_threads()} thread(s), "
-          f"adapter {torch_sac.adapter()} ==")
+          f"adapter {torch_sac.adapter()}, engine {ENGINE} ==")
     print(f"per block: {info['block_ops']} op calls, un-checkpointed activations "
           f"{format_bytes(info['block_activation_bytes'])}; profiling took {info['profile_seconds']:.2f} s")
     print(f"whole model, no checkpoint: live after forward {format_bytes(rows[0]['activation_bytes'])}, "
@@ -368,7 +386,7 @@ def print_tradeoff(rows, info, args):
            f"{'of full ckpt':>12} | {'plan/block':>10} {'budget/block':>12} {'saved':>5} {'avoided':>7} solver")
     print(hdr)
     print("-" * len(hdr))
-    full = next(r for r in rows if r["config"] == "recompute_all")["overhead_ms"]
+    full = next(r for r in rows if r["config"] == TORCH_CHECKPOINT)["overhead_ms"]
     for r in rows:
         of_full = r["overhead_ms"] / full if full > 0 else float("nan")
         plan_cols = ""
@@ -382,7 +400,7 @@ def print_tradeoff(rows, info, args):
     ok = at50["memory_fraction"] <= 0.5 + 1e-9 and ratio <= 0.5
     print(f"\nTarget: at <= 50% of the un-checkpointed activation memory, overhead <= 1/2 of full checkpointing.")
     print(f"Measured: budget @50% model keeps {at50['memory_fraction']:.1%} of the activation memory with "
-          f"{at50['overhead_ms']:.1f} ms overhead vs {full:.1f} ms for recompute_all ({ratio:.0%}): "
+          f"{at50['overhead_ms']:.1f} ms overhead vs {full:.1f} ms for {TORCH_CHECKPOINT} ({ratio:.0%}): "
           f"{'MET' if ok else 'NOT MET'}")
     return ok
 
@@ -397,7 +415,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=5, help="op replays when profiling")
     ap.add_argument("--solver-runs", type=int, default=7)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--engine", choices=("region", "contexts"), default="region",
+                    help="how blocks are checkpointed with a policy: torch_sac.sac_context (default) or "
+                         "torch.utils.checkpoint with torch_sac's drop-in contexts")
     args = ap.parse_args()
+    global ENGINE
+    ENGINE = args.engine
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
