@@ -52,11 +52,35 @@ Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
       "or bool.");
 }
 
+// A Python number the caller passed where the schema wants a Tensor (`x * 2.0`)
+// reaches the dispatcher as a "wrapped number" tensor; __torch_dispatch__
+// hands it back to Python as the number, and so does this.
+py::object arg_to_python(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (t.defined() && t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      switch (t.scalar_type()) {
+        case at::kDouble:
+          return py::float_(*t.const_data_ptr<double>());
+        case at::kLong:
+          return py::int_(*t.const_data_ptr<int64_t>());
+        case at::kBool:
+          return py::bool_(*t.const_data_ptr<bool>());
+        default:
+          break;  // complex and the rest: as a tensor
+      }
+    }
+  }
+  return torch::jit::toPyObject(v);
+}
+
 // Positional args and kwargs as __torch_dispatch__ would receive them: kwarg-only
 // arguments in kwargs, trailing arguments equal to their defaults left out.
-std::pair<py::tuple, py::dict> args_kwargs_from_stack(
+// The tuple starts with `leading` empty slots for the caller to fill.
+std::pair<py::tuple, py::object> args_kwargs_from_stack(
     const c10::OperatorHandle& op,
-    c10::ArrayRef<c10::IValue> inputs) {
+    c10::ArrayRef<c10::IValue> inputs,
+    size_t leading) {
   const auto& schema_args = op.schema().arguments();
   const auto is_default = [&](size_t i) {
     const auto& def = schema_args[i].default_value();
@@ -72,19 +96,22 @@ std::pair<py::tuple, py::dict> args_kwargs_from_stack(
   while (kwarg_start > 0 && schema_args[kwarg_start - 1].kwarg_only()) {
     --kwarg_start;
   }
-  py::dict kwargs;
+  py::object kwargs;  // null when empty: no dict per call
   for (size_t i = kwarg_start; i < inputs.size(); ++i) {
     if (!is_default(i)) {
-      kwargs[schema_args[i].name().c_str()] = torch::jit::toPyObject(inputs[i]);
+      if (!kwargs) {
+        kwargs = py::dict();
+      }
+      kwargs[schema_args[i].name().c_str()] = arg_to_python(inputs[i]);
     }
   }
   size_t positional_end = kwarg_start;
   while (positional_end > 0 && is_default(positional_end - 1)) {
     --positional_end;
   }
-  py::tuple args(positional_end);
+  py::tuple args(leading + positional_end);
   for (size_t i = 0; i < positional_end; ++i) {
-    args[i] = torch::jit::toPyObject(inputs[i]);
+    args[leading + i] = arg_to_python(inputs[i]);
   }
   return {std::move(args), std::move(kwargs)};
 }
@@ -101,28 +128,27 @@ class PythonPolicy final : public OpPolicy {
   Policy decide(const OpCall& call) override {
     py::gil_scoped_acquire gil;
     const auto* view = static_cast<const PythonCallView*>(call.adapter_view);
+    // fn(ctx, op, *args, **kwargs): one tuple, its first two slots for ctx, op.
     py::object op;
-    py::tuple args;
-    py::dict kwargs;
+    py::tuple call_args;
+    py::object kwargs;
     if (view) {
       op = py::reinterpret_borrow<py::object>(view->func);
-      args = py::reinterpret_borrow<py::tuple>(view->args);
+      const auto args = py::reinterpret_borrow<py::tuple>(view->args);
+      call_args = py::tuple(args.size() + 2);
+      for (size_t i = 0; i < args.size(); ++i) {
+        call_args[i + 2] = args[i];
+      }
       if (view->kwargs != Py_None) {
-        kwargs = py::reinterpret_borrow<py::dict>(view->kwargs);
+        kwargs = py::reinterpret_borrow<py::object>(view->kwargs);
       }
     } else {
       op = overload_for(call.op);
-      std::tie(args, kwargs) = args_kwargs_from_stack(call.op, call.inputs);
+      std::tie(call_args, kwargs) = args_kwargs_from_stack(call.op, call.inputs, 2);
     }
-    py::object ctx = make_context(torch::jit::createPyObjectForStack(
+    call_args[0] = make_context(torch::jit::createPyObjectForStack(
         torch::jit::Stack(call.outputs.begin(), call.outputs.end())));
-    // fn(ctx, op, *args, **kwargs) without building an intermediate list.
-    py::tuple call_args(args.size() + 2);
-    call_args[0] = ctx;
     call_args[1] = op;
-    for (size_t i = 0; i < args.size(); ++i) {
-      call_args[i + 2] = args[i];
-    }
     PyObject* result = PyObject_Call(fn_.ptr(), call_args.ptr(), kwargs.ptr());
     if (!result) {
       throw py::error_already_set();

@@ -816,3 +816,31 @@ def test_stats_extremes(which):
     else:
         assert s["saved_ops"] == 0 and s["saved_bytes"] == 0 and s["cache_hits"] == 0
         assert 0 < s["recomputed_ops"] <= s["policy_calls"]
+
+
+def test_policy_sees_python_numbers_as_pytorch_sac_passes_them():
+    """`x * 2.5` and `x + 3`: the policy gets the Python number, as
+    PyTorch's SAC passes it from __torch_dispatch__, under both adapters and
+    in a sac_context region."""
+    def record(seen):
+        def policy(ctx, op, *args, **kwargs):
+            if op in (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor):
+                seen.append((op, tuple(type(a).__name__ for a in args), args[1]))
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return policy
+
+    def fn(x):
+        return ((x * 2.5) + 3).sin()
+
+    x = torch.randn(4, requires_grad=True)
+    theirs, ours, region = [], [], []
+    tc.checkpoint(fn, x, use_reentrant=False,
+                  context_fn=functools.partial(tc.create_selective_checkpoint_contexts, record(theirs)))
+    tc.checkpoint(fn, x, use_reentrant=False,
+                  context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts, record(ours)))
+    with torch_sac.sac_context(record(region)):
+        fn(x)
+    assert theirs == [(torch.ops.aten.mul.Tensor, ("Tensor", "float"), 2.5),
+                      (torch.ops.aten.add.Tensor, ("Tensor", "int"), 3)]
+    assert ours == theirs
+    assert region == theirs
