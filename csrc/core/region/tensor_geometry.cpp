@@ -10,7 +10,11 @@ TensorGeometry TensorGeometry::of(const at::Tensor& t) {
   const auto drop = c10::autograd_dispatch_keyset_with_ADInplaceOrView |
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot});
   return TensorGeometry{
-      t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.key_set() - drop, t.dtype()};
+      c10::SmallVector<int64_t, 5>(t.sizes().begin(), t.sizes().end()),
+      c10::SmallVector<int64_t, 5>(t.strides().begin(), t.strides().end()),
+      t.storage_offset(),
+      t.key_set() - drop,
+      t.dtype()};
 }
 
 at::Tensor TensorGeometry::view_of(const c10::Storage& storage) const {

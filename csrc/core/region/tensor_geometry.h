@@ -4,14 +4,15 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
-
-#include <vector>
+#include <c10/util/SmallVector.h>
 
 namespace torch_sac::region {
 
 struct TensorGeometry {
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  // Inline up to 5 dimensions: one geometry per saved reference and per
+  // replay argument, so no heap allocation for the usual shapes.
+  c10::SmallVector<int64_t, 5> sizes;
+  c10::SmallVector<int64_t, 5> strides;
   int64_t storage_offset = 0;
   c10::DispatchKeySet key_set;  // backend, dtype-independent bits (conj/neg)
   caffe2::TypeMeta dtype;
