@@ -49,7 +49,7 @@ class _Sampler(TorchDispatchMode):
         kwargs = kwargs or {}
         prof = self._prof
         if prof._phase == "forward" and torch._C._current_autograd_node() is not None:
-            prof._begin_backward("first backward op")
+            prof._begin_backward_once("first backward op")
         out = func(*args, **kwargs)
         flops = prof._flops_of(func, args, kwargs, out)
         prof._op_done(func, flops)
@@ -206,6 +206,7 @@ class profile:
         self._t0 = time.perf_counter_ns()
         self._t_forward_end = None
         self._lock = threading.Lock()
+        self._phase_lock = threading.Lock()
         # CPU: a chain of peak windows, one open at a time, closed and
         # replaced at every sample, so each sample's peak covers everything
         # since the previous one (the op, and replays or autograd's own
@@ -261,12 +262,13 @@ class profile:
         """
         if self._state != "active":
             raise RuntimeError("torch_sac.profile.end_forward: the profile is not active")
-        if self._phase != "forward":
-            raise RuntimeError(
-                "torch_sac.profile.end_forward: forward already ended "
-                f"({self._forward_end[1]})"
-            )
-        self._begin_backward("end_forward()")
+        with self._phase_lock:
+            if self._phase != "forward":
+                raise RuntimeError(
+                    "torch_sac.profile.end_forward: forward already ended "
+                    f"({self._forward_end[1]})"
+                )
+            self._begin_backward("end_forward()")
 
     # Hooks ---------------------------------------------------------------
 
@@ -289,6 +291,12 @@ class profile:
             self._bytes.append(allocated - self._start)
             self._peaks.append(peak - self._start)
             self._labels.append(label)
+
+    def _begin_backward_once(self, how):
+        # Backward may run on several threads at once (CPU and CUDA nodes).
+        with self._phase_lock:
+            if self._phase == "forward":
+                self._begin_backward(how)
 
     def _begin_backward(self, how):
         self._sample("forward end")
@@ -331,7 +339,8 @@ class profile:
     def _op_done(self, func, flops):
         self._sample(func)  # the op's name is formatted when the profile is built
         if self._phase == "backward":
-            self._bwd_flops += flops
+            with self._lock:
+                self._bwd_flops += flops
             return
         self._fwd_flops += flops
         recorded = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -8,12 +8,14 @@ gradients, outputs, BatchNorm buffers and RNG states are compared bitwise
 "no interceptor left behind" checks, which look at both.
 """
 
+import contextlib
 import functools
 import gc
 import threading
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -1459,3 +1461,138 @@ def test_replayed_op_writing_a_saved_output_updates_it_once():
     for a, b, what in zip(ref[:4], ours[:4], ("x.grad", "w.grad", "running_mean", "running_var")):
         assert_tensors_equal(b, a, what)
     assert ours[4].stats()["replayed_ops"] >= 1
+
+
+# ==========================================================================
+# 13. Found in review: each test would have caught the bug it names
+# ==========================================================================
+
+def test_unrecorded_write_right_after_a_recorded_write_is_seen():
+    """A no_grad write right after a recorded in-place op (whose own version
+    bump the region cannot see yet) must still mark the tensor as changed
+    outside the tape; replaying without it gave a wrong gradient."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g)
+    w = torch.randn(4, 4, generator=g, requires_grad=True)
+
+    def f():
+        y = x @ w
+        y.add_(1)                 # recorded; saves nothing
+        with torch.no_grad():
+            y.mul_(2)             # not recorded
+        return y.sin().sum()
+
+    (ref,) = torch.autograd.grad(f(), w)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        loss = f()
+    (ours,) = torch.autograd.grad(loss, w)
+    assert_tensors_equal(ours, ref, "w.grad")
+
+
+def test_random_ops_on_meta_tensors_record_nothing_random():
+    lin = nn.Linear(4, 4, device="meta")
+    x = torch.randn(2, 4, device="meta")
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        y = F.dropout(lin(x), 0.5, True)
+    assert y.shape == (2, 4) and y.is_meta
+
+
+def test_replay_that_makes_a_smaller_tensor_raises_instead_of_reading_past_it():
+    """nonzero replayed after its (kept, then modified, mutation allowed)
+    input changed makes fewer indices than forward did."""
+    x = torch.randn(1000, requires_grad=True)
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = op is aten.relu.default
+        return torch_sac.Policy.MUST_SAVE if keep else torch_sac.Policy.PREFER_RECOMPUTE
+
+    with torch_sac.sac_context(policy, allow_cache_entry_mutation=True):
+        r = x.relu()
+        idx = r.nonzero().squeeze(1)
+        loss = (r[idx] ** 2).sum()
+    with torch.no_grad():
+        r.zero_()
+    del idx
+    with pytest.raises(RuntimeError, match="replay is not deterministic here"):
+        torch.autograd.grad(loss, x)
+
+
+def _square(reads):
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return a * a
+
+        @staticmethod
+        def backward(ctx, grad):
+            # Each read unpacks again, in the same backward.
+            reads_of_a = [ctx.saved_tensors[0] for _ in range(reads)]
+            return grad * sum(reads_of_a) * (2 / reads)
+
+    return Square
+
+
+def test_reading_saved_tensors_twice_replays_no_more_than_once():
+    def replays(reads):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 16, generator=g, requires_grad=True)
+        w = torch.randn(16, 16, generator=g, requires_grad=True)
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+            h = x @ w
+            loss = (_square(reads).apply(h) @ w).relu().sum()
+        del h
+        loss.backward()
+        return ctx.stats()["replayed_ops"], x.grad
+
+    once, grad_once = replays(1)
+    twice, grad_twice = replays(2)
+    assert once > 0 and twice == once
+    assert_tensors_equal(grad_twice, grad_once, "x.grad")
+
+
+class _ZeroesItsSavedTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return a * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (a,) = ctx.saved_tensors
+        a.mul_(0)   # writes to the rebuilt tensor it was handed
+        return grad * 3
+
+
+def test_backward_writing_to_an_unpacked_tensor_does_not_corrupt_other_nodes():
+    """Plain autograd raises here; the region must at least never hand the
+    overwritten copy to another node (it rebuilds a fresh one)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 8, generator=g)
+    w = torch.randn(8, 8, generator=g, requires_grad=True)
+    a = x @ w
+    (ref,) = torch.autograd.grad((a.sin() + a * 3).sum(), w)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        a = x @ w
+        loss = (a.sin() + _ZeroesItsSavedTensor.apply(a)).sum()
+    del a
+    (ours,) = torch.autograd.grad(loss, w)
+    assert_tensors_equal(ours, ref, "w.grad")
+
+
+def test_in_place_write_to_an_outside_tensor_is_not_copied_when_it_cannot_replay():
+    memory = torch_sac.memory
+    memory.install_counting_allocator()
+    x = torch.randn(4096, requires_grad=True) * 1   # from outside, not a leaf
+
+    def peak(region):
+        with memory.track() as m, region:
+            for _ in range(10):
+                x.add_(1)
+        return m.peak
+
+    plain = peak(contextlib.nullcontext())   # the wrapped `1`s
+    ctx = torch_sac.sac_context(torch_sac.policies.recompute_all())
+    # No copy of x (16 KiB); the Python-key adapter re-wraps each `1` (8 bytes).
+    assert peak(ctx) <= plain + 8 * 10
+    assert ctx.stats()["held_bytes"] == 0

@@ -7,6 +7,7 @@ void Memo::hold(c10::Storage storage, int32_t state, StreamStamp stream) {
   strong_ = std::move(storage);
   state_ = state;
   stream_ = stream;
+  version_ = c10::VariableVersion(/*version=*/0);
 }
 
 void Memo::weaken() {
@@ -24,7 +25,7 @@ bool Memo::gone() const {
 }
 
 c10::Storage Memo::at_state(int32_t state) const {
-  if (state != state_) {
+  if (state != state_ || (version_.enabled() && version_.current_version() != 0)) {
     return c10::Storage();
   }
   c10::Storage storage = strong_;

@@ -8,6 +8,7 @@
 // that input), and then frees it, which ends the memo at no cost.
 
 #include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <optional>
@@ -26,9 +27,19 @@ class Memo {
   }
   // Neither held nor watched: the memo can be forgotten.
   bool gone() const;
-  // The storage at `state`, if kept and still alive, usable on the current
-  // stream; a null storage otherwise.
+  // Set by hold() until clear(): the region lists it among its memos.
+  bool listed() const {
+    return weak_.has_value();
+  }
+  // The storage at `state`, if kept, still alive and unmodified, usable on
+  // the current stream; a null storage otherwise.
   c10::Storage at_state(int32_t state) const;
+  // Shared by every tensor handed out on this memo: backward code that
+  // writes to one in place (a custom Function) bumps it, and the memo is
+  // no longer used.
+  const c10::VariableVersion& version() const {
+    return version_;
+  }
   int64_t strong_bytes() const {
     return strong_ ? static_cast<int64_t>(strong_.nbytes()) : 0;
   }
@@ -38,6 +49,7 @@ class Memo {
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak_;
   int32_t state_ = -1;
   StreamStamp stream_;
+  c10::VariableVersion version_;
 };
 
 } // namespace torch_sac::region

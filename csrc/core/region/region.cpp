@@ -9,6 +9,7 @@
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/op_name.h"
+#include "replay_guard.h"
 #include "written_args.h"
 
 namespace torch_sac::region {
@@ -137,16 +138,20 @@ int32_t Region::track_storage(
   return index;
 }
 
-// A write the tape did not see (under no_grad, or through .data) changes the
-// version without changing the recorded state: replaying would miss it, so
-// the storage is no longer dropped.
+// A write the tape did not see (under no_grad) changes the version without
+// changing the recorded state: replaying would miss it, so the storage is no
+// longer dropped. (A write through `.data` bumps another version counter and
+// cannot be seen here, as autograd cannot see it either.)
 void Region::observe(int32_t storage, const at::Tensor& t) {
   StorageRecord& record = storages_[storage];
   const uint32_t version = version_of(t);
-  if (record.last_version != kUnknownVersion && record.last_version != version) {
+  const bool expected = version == record.last_version ||
+      (record.recorded_write_pending && version == record.last_version + 1);
+  if (!expected) {
     record.replayable = false;
   }
   record.last_version = version;
+  record.recorded_write_pending = false;
 }
 
 void Region::record_args(
@@ -238,20 +243,28 @@ void Region::handle(
   // Tensors this op overwrites that replay cannot rebuild (from outside the
   // region, or kept by the policy): a replay gets a copy of their value from
   // before the op instead, so BatchNorm's running statistics are updated
-  // exactly once. Only ops that also make new tensors can be replayed.
+  // exactly once. Only an op that makes new tensors or writes a replayable
+  // storage can be replayed; others need no copy.
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
+  bool may_replay = info.makes_new_tensors;
   for (size_t i : info.written_args) {
-    if (!inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
+    if (inputs[i].isTensor() && inputs[i].toTensor().defined()) {
+      const int32_t s = find_storage(inputs[i].toTensor());
+      if (s >= 0) {
+        written_storages.push_back(s);
+        may_replay = may_replay || storages_[s].replayable;
+      }
+    }
+  }
+  for (size_t i : info.written_args) {
+    if (!may_replay || !inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
       continue;
     }
     const at::Tensor& t = inputs[i].toTensor();
     const int32_t s = find_storage(t);
-    if (s >= 0) {
-      written_storages.push_back(s);
-    }
-    if (s < 0 || (info.makes_new_tensors && !storages_[s].replayable)) {
-      c10::impl::ExcludeDispatchKeyGuard no_intercept(kInterceptKey);
+    if (s < 0 || !storages_[s].replayable) {
+      const ReplayGuard plain_copy;  // no graph, no modes: the region's own copy
       overwritten[i] = t.clone();
     }
   }
@@ -330,7 +343,7 @@ void Region::handle(
   }
   for (int32_t s : written_storages) {
     storages_[s].mutations.push_back(entry_index);
-    storages_[s].last_version = kUnknownVersion;
+    storages_[s].recorded_write_pending = true;
   }
   entry.writes = std::move(written_storages);
   entries_.push_back(std::move(entry));

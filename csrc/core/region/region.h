@@ -69,6 +69,9 @@ struct SavedActivation {
   mutable int64_t unpacked_pass = -1;
   // Tape length when packed: a rebuild of it replays only earlier entries.
   int32_t horizon = 0;
+  // The autograd graph task of its last unpack: reading it again in the
+  // same backward (ctx.saved_tensors twice) is not a new backward pass.
+  mutable int unpacked_task = -1;
 };
 
 struct RegionStats {
@@ -162,9 +165,12 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int32_t producer_output = 0;   // among the producer's output tensors
     bool replayable = false;       // produced by a RECOMPUTE op, never tainted
     std::vector<int32_t> mutations;  // entries that wrote to it, in order
-    // Last version seen at the current state (kUnknownVersion right after a
-    // recorded write, whose version bump happens above the interceptor).
+    // Last version seen, and whether a recorded write came after it: its
+    // version bump happens above the interceptor, after the op returns (and
+    // not at all for BatchNorm's running statistics), so the next sighting
+    // may be one higher, but no more.
     uint32_t last_version = 0;
+    bool recorded_write_pending = false;
     // Dropped activations of this storage alive, and those of them not yet
     // unpacked in this backward pass.
     int32_t live_refs = 0;
@@ -186,7 +192,6 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int64_t replay_ns = 0;
   };
 
-  static constexpr uint32_t kUnknownVersion = UINT32_MAX;
 
   OpInfo& info_for(const c10::OperatorHandle& op, int32_t* index);
   Policy decide(const OpCall& call, const std::string& op_name);

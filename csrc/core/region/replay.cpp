@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "region.h"
+#include "replay_guard.h"
 
 namespace torch_sac::region {
 namespace {
@@ -29,22 +31,6 @@ std::string describe(const at::Tensor& t) {
   out << "[" << t.toString() << " " << t.sizes() << "]";
   return out.str();
 }
-
-// Replay runs each op as the interceptor saw it: below autograd, autocast,
-// Python modes and torch_sac's own key (all of which sit at or above the
-// Python key), with grad off.
-class ReplayGuard {
- public:
-  ReplayGuard()
-      : below_python_(
-            c10::DispatchKeySet(c10::DispatchKeySet::FULL) -
-            c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python)),
-        no_grad_(false) {}
-
- private:
-  c10::impl::ExcludeDispatchKeyGuard below_python_;
-  c10::AutoGradMode no_grad_;
-};
 
 } // namespace
 
@@ -80,11 +66,16 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       "region and dropped by the policy.) Hint: enable anomaly detection with "
       "torch.autograd.set_detect_anomaly(True) to find the operation that "
       "failed to compute its gradient.");
-  if (saved.unpacked_pass == pass_) {
-    start_new_pass();
+  const int task = torch::autograd::get_current_graph_task_id();
+  const bool same_backward = task >= 0 && task == saved.unpacked_task;
+  if (saved.unpacked_pass == pass_ && !same_backward) {
+    start_new_pass();  // backward runs again (retain_graph=True)
   }
-  saved.unpacked_pass = pass_;
-  --record.pending_unpacks;
+  if (saved.unpacked_pass != pass_) {
+    saved.unpacked_pass = pass_;
+    --record.pending_unpacks;
+  }
+  saved.unpacked_task = task;
   if (saved.original) {
     auto original = saved.original->lock();
     if (original.defined()) {
@@ -92,9 +83,19 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       return detached_alias(at::Tensor(std::move(original)));
     }
   }
+  // The storage itself may still be alive (another region, or the user,
+  // kept a different tensor of it) and unchanged since it was saved.
+  if (c10::Storage alive(record.identity.lock()); alive &&
+      record.mutations.size() == static_cast<size_t>(saved.state) &&
+      saved.geometry.fits(alive)) {
+    ++stats_.unpacked_original;
+    return saved.geometry.view_of(alive);
+  }
   const c10::Storage base = materialize(saved.storage, saved.state);
+  at::Tensor result = saved.geometry.view_of(base);
+  result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
   release_memos();
-  return saved.geometry.view_of(base);
+  return result;
 }
 
 void Region::start_new_pass() {
@@ -254,7 +255,7 @@ bool Region::worth_memoising(int32_t storage, int32_t state) const {
 
 void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
   StorageRecord& record = storages_[storage];
-  if (record.memo.gone()) {
+  if (!record.memo.listed()) {
     memoised_.push_back(storage);
   }
   record.memo.hold(t.storage(), state, StreamStamp::current_for(t));
@@ -313,10 +314,14 @@ torch::jit::Stack Region::replay_entry(
       arg.toList().set(slot.element, std::move(t));
     }
   }
+  for (const ArgSlot& slot : entry.slots) {
+    record_use_on_current_stream(slot.held);
+  }
   const auto start = std::chrono::steady_clock::now();
   {
     ReplayGuard guard;
     for (uint32_t i : entry.scratch_args) {
+      record_use_on_current_stream(stack[i].toTensor());
       stack[i] = stack[i].toTensor().clone();
     }
     auto run = [&] { entry.op.callBoxed(stack); };

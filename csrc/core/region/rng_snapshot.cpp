@@ -12,20 +12,27 @@ bool is_seeded(const c10::OperatorHandle& op) {
   return op.hasTag(at::Tag::nondeterministic_seeded);
 }
 
-// The device a factory or tensor op draws on: its first tensor argument's,
-// else its `device` argument, else CPU.
+// The device an op draws on: its `device` argument when given (factories,
+// and `randn_like(x, device=...)`, which draws on the new device), else its
+// first tensor argument's, else CPU.
 c10::Device op_device(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args) {
-  for (const c10::IValue& v : args) {
-    if (v.isTensor() && v.toTensor().defined()) {
-      return v.toTensor().device();
-    }
-  }
   for (size_t i = 0; i < schema.arguments().size() && i < args.size(); ++i) {
     if (schema.arguments()[i].name() == "device" && args[i].isDevice()) {
       return args[i].toDevice();
     }
   }
+  for (const c10::IValue& v : args) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      return v.toTensor().device();
+    }
+  }
   return c10::Device(c10::kCPU);
+}
+
+// Devices without a random generator (meta: shape inference) draw nothing.
+bool has_generator(c10::Device device) {
+  return device.is_cpu() || device.is_cuda() || device.is_xpu() || device.is_mps() ||
+      device.is_privateuseone() || device.is_hpu() || device.type() == c10::DeviceType::MTIA;
 }
 
 // Generators are handles: copies share the state they point to.
@@ -57,8 +64,11 @@ std::optional<RngSnapshot> RngSnapshot::capture(
       }
     }
   }
-  snap.default_generator_ =
-      at::globalContext().defaultGenerator(op_device(schema, args));
+  const c10::Device device = op_device(schema, args);
+  if (!has_generator(device)) {
+    return std::nullopt;
+  }
+  snap.default_generator_ = at::globalContext().defaultGenerator(device);
   snap.state_ = clone_locked(snap.default_generator_);
   return snap;
 }

@@ -14,6 +14,14 @@ StreamStamp StreamStamp::current_for(const at::Tensor& t) {
   return stamp;
 }
 
+void record_use_on_current_stream(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.device().is_cpu() || t.device().is_meta()) {
+    return;
+  }
+  const c10::impl::VirtualGuardImpl impl(t.device().type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), impl.getStream(t.device()));
+}
+
 void StreamStamp::hand_over(const c10::Storage& storage) const {
   if (!stream_) {
     return;

@@ -13,6 +13,11 @@
 
 namespace torch_sac::region {
 
+// A tensor kept from forward that a replay reads on the current stream: the
+// caching allocator must not hand its memory out again until that stream is
+// done with it (the region may drop its reference right after the replay).
+void record_use_on_current_stream(const at::Tensor& t);
+
 class StreamStamp {
  public:
   // The current stream of `t`'s device (nothing for CPU tensors).

@@ -1,6 +1,7 @@
 #include "tensor_geometry.h"
 
 #include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
 
 namespace torch_sac::region {
 
@@ -17,7 +18,34 @@ TensorGeometry TensorGeometry::of(const at::Tensor& t) {
       t.dtype()};
 }
 
+namespace {
+
+int64_t bytes_needed(const TensorGeometry& g) {
+  int64_t last = g.storage_offset;
+  for (size_t d = 0; d < g.sizes.size(); ++d) {
+    if (g.sizes[d] == 0) {
+      return 0;
+    }
+    last += (g.sizes[d] - 1) * g.strides[d];
+  }
+  return (last + 1) * static_cast<int64_t>(g.dtype.itemsize());
+}
+
+} // namespace
+
+bool TensorGeometry::fits(const c10::Storage& storage) const {
+  return bytes_needed(*this) <= static_cast<int64_t>(storage.nbytes());
+}
+
 at::Tensor TensorGeometry::view_of(const c10::Storage& storage) const {
+  // Replay can make a smaller storage than forward did (a data-dependent
+  // shape, nonzero after different inputs): never view past its end.
+  TORCH_CHECK(
+      fits(storage),
+      "torch_sac: a replayed op rebuilt a tensor of ", storage.nbytes(), " bytes where forward "
+      "made at least ", bytes_needed(*this), " (shape ", c10::IntArrayRef(sizes), "): replay "
+      "is not deterministic here (data-dependent shapes after inputs changed, or different "
+      "global state). Make the policy save the op that makes this tensor.");
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), key_set, dtype);
   impl->set_sizes_and_strides(sizes, strides, storage_offset);
   return at::Tensor(std::move(impl));

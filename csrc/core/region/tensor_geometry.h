@@ -18,7 +18,10 @@ struct TensorGeometry {
   caffe2::TypeMeta dtype;
 
   static TensorGeometry of(const at::Tensor& t);
-  // A tensor without autograd metadata viewing `storage` with this geometry.
+  // Whether `storage` is large enough for this geometry.
+  bool fits(const c10::Storage& storage) const;
+  // A tensor without autograd metadata viewing `storage` with this geometry;
+  // raises if the storage is too small.
   at::Tensor view_of(const c10::Storage& storage) const;
   int64_t nbytes() const;
 };

@@ -1,0 +1,25 @@
+#pragma once
+// Runs ops the way the interceptor saw them: below autograd, autocast,
+// Python modes and torch_sac's own key (all of which sit at or above the
+// Python key), with grad off. For replays and for the region's own copies.
+
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+namespace torch_sac::region {
+
+class ReplayGuard {
+ public:
+  ReplayGuard()
+      : below_python_(
+            c10::DispatchKeySet(c10::DispatchKeySet::FULL) -
+            c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python)),
+        no_grad_(false) {}
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard below_python_;
+  c10::AutoGradMode no_grad_;
+};
+
+} // namespace torch_sac::region
