@@ -15,6 +15,7 @@
 #include "policy_library.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
+#include "saved_activation_handle.h"
 // --- budget planner (branch budget) ---
 #include "budget_bindings.h"
 // --- end budget planner ---
@@ -66,17 +67,27 @@ PYBIND11_MODULE(_C, m) {
         return rows;
       });
 
-  // The region engine (sac_context).
-  py::class_<region::SavedActivation>(m, "SavedActivation");
+  // The region engine (sac_context). Every call into a Region releases the
+  // GIL first (see saved_activation_handle.h for why).
+  using python::SavedActivationHandle;
+  using NoGil = py::call_guard<py::gil_scoped_release>;
+  py::class_<SavedActivationHandle>(m, "SavedActivation");
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
       .def(py::init<std::shared_ptr<OpPolicy>, bool>(), py::arg("policy"),
            py::arg("allow_cache_entry_mutation"))
-      .def("push_policy", &region::Region::push_policy)
-      .def("pop_policy", &region::Region::pop_policy)
-      .def("close", &region::Region::close)
-      .def("pack", &region::Region::pack)
+      .def("push_policy", &region::Region::push_policy, NoGil())
+      .def("pop_policy", &region::Region::pop_policy, NoGil())
+      .def("close", &region::Region::close, NoGil())
+      .def("pack", [](region::Region& self, const at::Tensor& t) {
+        py::gil_scoped_release no_gil;
+        return SavedActivationHandle(self.pack(t));
+      })
       .def("stats", [](const region::Region& self) {
-        const region::RegionStats s = self.stats();
+        region::RegionStats s;
+        {
+          py::gil_scoped_release no_gil;
+          s = self.stats();
+        }
         py::dict d;
         d["policy_calls"] = s.policy_calls;
         d["saved_ops"] = s.saved_ops;
@@ -94,15 +105,25 @@ PYBIND11_MODULE(_C, m) {
         return d;
       })
       .def("op_summary", [](const region::Region& self) {
+        std::vector<region::RegionOpSummary> summary;
+        {
+          py::gil_scoped_release no_gil;
+          summary = self.op_summary();
+        }
         std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
-        for (const auto& s : self.op_summary()) {
+        for (const auto& s : summary) {
           rows.emplace_back(s.op, s.saved, s.dropped, s.replayed);
         }
         return rows;
       })
       .def("op_details", [](const region::Region& self) {
+        std::vector<region::RegionOpSummary> summary;
+        {
+          py::gil_scoped_release no_gil;
+          summary = self.op_summary();
+        }
         py::list rows;
-        for (const auto& s : self.op_summary()) {
+        for (const auto& s : summary) {
           py::dict d;
           d["op"] = s.op;
           d["saved"] = s.saved;
@@ -115,7 +136,10 @@ PYBIND11_MODULE(_C, m) {
         }
         return rows;
       });
-  m.def("unpack_saved", &region::unpack, py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_saved", [](const SavedActivationHandle& handle) {
+    py::gil_scoped_release no_gil;
+    return region::unpack(handle.saved);
+  });
 
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);
   m.def("install_key_adapter", &install_key_adapter);

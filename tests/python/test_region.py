@@ -1596,3 +1596,52 @@ def test_in_place_write_to_an_outside_tensor_is_not_copied_when_it_cannot_replay
     # No copy of x (16 KiB); the Python-key adapter re-wraps each `1` (8 bytes).
     assert peak(ctx) <= plain + 8 * 10
     assert ctx.stats()["held_bytes"] == 0
+
+
+@torch.library.custom_op("torch_sac_test::scaled_sin", mutates_args=())
+def _scaled_sin(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.sin(x) * scale   # a Python kernel: replay runs Python
+
+
+@_scaled_sin.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_sin_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * torch.cos(x) * ctx.scale, None
+
+
+def _scaled_sin_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+_scaled_sin.register_autograd(_scaled_sin_backward, setup_context=_scaled_sin_setup)
+
+
+@pytest.mark.parametrize("backward_thread", [False, True])
+def test_custom_op_with_a_python_kernel_replays(backward_thread):
+    """Replay of a dropped custom op runs its Python kernel with the region's
+    lock held and the GIL taken: nothing may wait on the lock with the GIL."""
+    x = torch.randn(64, requires_grad=True)
+
+    def f():
+        h = x.exp()
+        return _scaled_sin(h, 0.5).tanh().sum()
+
+    (ref,) = torch.autograd.grad(f(), x)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        loss = f()
+    result = {}
+    if backward_thread:
+        t = threading.Thread(target=lambda: result.update(g=torch.autograd.grad(loss, x)[0]))
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "backward hung"
+        ours = result["g"]
+    else:
+        (ours,) = torch.autograd.grad(loss, x)
+    assert_tensors_equal(ours, ref, "x.grad")
+    assert ctx.stats()["replayed_ops"] > 0
