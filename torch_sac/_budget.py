@@ -4,7 +4,6 @@ outputs to keep so the recompute cost avoided is as large as possible."""
 import math
 import numbers
 
-
 from . import _C
 from ._op_profile import format_bytes, profile_region
 
