@@ -79,6 +79,9 @@ PYBIND11_MODULE(_C, m) {
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
       .def("pack", [](region::Region& self, const at::Tensor& t) {
+        if (auto saved = self.try_pack(t)) {
+          return SavedActivationHandle(std::move(*saved));
+        }
         py::gil_scoped_release no_gil;
         return SavedActivationHandle(self.pack(t));
       })

@@ -6,8 +6,9 @@
 // with a Python kernel takes the GIL; a thread that held the GIL and waited
 // for the mutex (freeing a saved activation, packing, reading stats) could
 // deadlock against it when backward runs on two threads. So every entry
-// point into a Region from Python releases the GIL first, and so does the
-// destructor here, which Python runs with the GIL held.
+// point into a Region from Python releases the GIL before it waits for the
+// region (the hot ones, pack and this destructor, which Python runs with
+// the GIL held, first try without waiting).
 
 #include <pybind11/pybind11.h>
 
@@ -22,8 +23,8 @@ struct SavedActivationHandle {
   SavedActivationHandle(SavedActivationHandle&&) noexcept = default;
   SavedActivationHandle& operator=(SavedActivationHandle&&) noexcept = default;
   ~SavedActivationHandle() {
-    if (saved.region) {
-      pybind11::gil_scoped_release no_gil;
+    if (saved.region && !saved.region->try_forget(saved)) {
+      pybind11::gil_scoped_release no_gil;  // a replay holds the region
       region::SavedActivation dying = std::move(saved);
     }
   }

@@ -353,8 +353,20 @@ void Region::handle(
 }
 
 SavedActivation Region::pack(const at::Tensor& t) {
-  SavedActivation saved;
   std::lock_guard<std::mutex> lock(mutex_);
+  return pack_locked(t);
+}
+
+std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    return std::nullopt;
+  }
+  return pack_locked(t);
+}
+
+SavedActivation Region::pack_locked(const at::Tensor& t) {
+  SavedActivation saved;
   const int32_t s = t.defined() ? find_storage(t) : -1;
   if (s >= 0) {
     observe(s, t);
@@ -385,6 +397,21 @@ SavedActivation Region::pack(const at::Tensor& t) {
 
 void Region::forget(const SavedActivation& saved) {
   std::lock_guard<std::mutex> lock(mutex_);
+  forget_locked(saved);
+}
+
+bool Region::try_forget(SavedActivation& saved) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    return false;
+  }
+  forget_locked(saved);
+  lock.unlock();
+  saved.region.reset();  // forgotten: its destructor has nothing left to do
+  return true;
+}
+
+void Region::forget_locked(const SavedActivation& saved) {
   StorageRecord& record = storages_.at(saved.storage);
   --record.live_refs;
   if (saved.unpacked_pass != pass_) {

@@ -122,10 +122,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   // The saved-tensor pack hook.
   SavedActivation pack(const at::Tensor& t);
+  // pack(), or nothing when another thread holds the region (a replay):
+  // lets a caller holding the GIL release it before waiting.
+  std::optional<SavedActivation> try_pack(const at::Tensor& t);
   // Rebuilds a dropped activation (the unpack hook for references).
   at::Tensor rebuild(const SavedActivation& saved);
   // A dropped activation died (its autograd node was freed).
   void forget(const SavedActivation& saved);
+  // forget() unless another thread holds the region; on success `saved` no
+  // longer refers to the region.
+  bool try_forget(SavedActivation& saved);
 
   RegionStats stats() const;
   std::vector<RegionOpSummary> op_summary() const;
@@ -193,6 +199,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   };
 
 
+  SavedActivation pack_locked(const at::Tensor& t);
+  void forget_locked(const SavedActivation& saved);
   OpInfo& info_for(const c10::OperatorHandle& op, int32_t* index);
   Policy decide(const OpCall& call, const std::string& op_name);
   int32_t find_storage(const at::Tensor& t) const;
