@@ -50,13 +50,20 @@ class sac_context:
             ``True`` lets the replay use the modified value.
 
     Example:
-        >>> with torch_sac.sac_context(torch_sac.policies.save_matmuls()) as region:
-        ...     h = block1(x)
-        ...     h = block2(h)
+        >>> policy = torch_sac.policies.save_matmuls()
+        >>> h = x
+        >>> for block in blocks:
+        ...     with torch_sac.sac_context(policy) as region:
+        ...         h = block(h)
         >>> loss(h).backward()
-        >>> region.stats()["dropped_bytes"]
+        >>> region.stats()["dropped_bytes"]   # of the last block's region
 
     Caveats:
+        * Put one region around each block, as with
+          :func:`torch.utils.checkpoint.checkpoint`: a dropped tensor is
+          rebuilt from the nearest tensors its region keeps, so one region
+          around a whole model with ``recompute_all`` rebuilds most of the
+          forward at the first unpack.
         * Random ops replay with the random state they drew from in forward,
           so dropout masks match. An op that wrote to a tensor from outside
           the region (BatchNorm's running statistics) is replayed against a
