@@ -7,6 +7,8 @@ contention):
 
 * ``gpt``: 4 pre-LN transformer blocks (dim 128, 4 heads, seq 128, batch 4,
   attention written with matmuls + softmax, dropout 0.1);
+* ``chain``: 4 blocks of 100 small elementwise steps (sin, mul, add, tanh on
+  256 floats), where per-op costs dominate;
 * ``conv``: 4 conv3x3-BatchNorm-ReLU(inplace) blocks (64 channels, 32x32,
   batch 8).
 
@@ -68,9 +70,19 @@ class ConvBlock(nn.Module):
         return self.relu(self.bn(self.conv(x)))
 
 
+class ChainBlock(nn.Module):
+    def forward(self, h):
+        for _ in range(100):
+            h = torch.tanh(torch.sin(h) * 1.01 + 0.1)
+        return h
+
+
 def build(name, quick):
     torch.manual_seed(0)
-    if name == "gpt":
+    if name == "chain":
+        blocks = nn.ModuleList(ChainBlock() for _ in range(4))
+        x = torch.randn(256)
+    elif name == "gpt":
         blocks = nn.ModuleList(Block(dim=128, heads=4, dropout=0.1) for _ in range(4))
         x = torch.randn(2 if quick else 4, 64 if quick else 128, 128)
     else:
@@ -197,7 +209,7 @@ def main():
         f"torch {torch.__version__}, torch_sac adapter {torch_sac.adapter()}, "
         f"1 thread, {rounds} rounds (medians)"
     )
-    for name in ("gpt", "conv"):
+    for name in ("gpt", "conv", "chain"):
         report(name, measure(name, rounds, args.quick))
 
 
