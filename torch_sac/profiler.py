@@ -125,9 +125,10 @@ class profile:
       ``forward_flops``/``backward_flops`` count every op dispatched (for
       ``torch.utils.checkpoint`` the re-run forward lands in backward).
       Replays run below the Python key, where no mode sees them, so
-      ``replay_flops`` is computed: per region and op, replays times the
-      FLOPs of that op's forward calls. Exact when those calls all cost the
-      same (``replay_flops_exact``); otherwise replays times their mean,
+      ``replay_flops`` is computed: per region and op, each forward call's
+      FLOPs times the number of times the region replayed that call
+      (``replay_flops_exact``). Should the profile and the region count an
+      op's calls differently, it falls back to replays times their mean,
       with ``replay_flops_low``/``high`` the cheapest/costliest calls.
 
     Caveats:
@@ -378,7 +379,7 @@ class profile:
                 row["forward_calls"] += len(flops)
                 row["forward_flops"] += sum(flops)
                 region_flops += sum(flops)
-                est, low, high, ok = _replay_flops(d["replayed"], flops)
+                est, low, high, ok = _replay_flops(d["replayed"], flops, d.get("replays_by_call"))
                 row["replay_flops"] += est
                 row["replay_flops_low"] += low
                 row["replay_flops_high"] += high
@@ -623,11 +624,15 @@ def _round(x):
     return int(round(x))
 
 
-def _replay_flops(replays, flops):
+def _replay_flops(replays, flops, replays_by_call=None):
     """(estimate, low, high, exact) FLOPs of ``replays`` replays of an op whose
-    forward calls in the region cost ``flops`` each."""
+    forward calls in the region cost ``flops`` each. With the region's replay
+    count per call (in the same call order the profile saw) it is exact."""
     if replays == 0 or not flops or max(flops) == 0:
         return 0, 0, 0, True
+    if replays_by_call is not None and len(replays_by_call) == len(flops):
+        total = sum(f * n for f, n in zip(flops, replays_by_call))
+        return total, total, total, True
     lo, hi = min(flops), max(flops)
     if lo == hi:
         return replays * lo, replays * lo, replays * lo, True

@@ -135,6 +135,7 @@ PYBIND11_MODULE(_C, m) {
           d["saved_bytes"] = s.saved_bytes;
           d["dropped_bytes"] = s.dropped_bytes;
           d["replay_ns"] = s.replay_ns;
+          d["replays_by_call"] = s.replays_by_call;
           rows.append(std::move(d));
         }
         return rows;

@@ -212,15 +212,33 @@ def test_replay_flops_exact_when_calls_cost_the_same():
     assert prof.totals["replay_flops_exact"]
 
 
-def test_replay_flops_estimated_within_bounds_when_calls_differ():
+def test_replay_flops_exact_when_calls_differ():
+    """Two mms of different sizes; backward replays only the first (to
+    rebuild the sin's input): replayed FLOPs are that mm's, 2*4*8*16, not
+    the mean of the two calls."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g, requires_grad=True)
+    w1 = torch.randn(8, 16, generator=g)
+    w2 = torch.randn(16, 2, generator=g)
+    with torch_sac.profile() as prof:
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+            out = torch.mm(torch.mm(x, w1).sin(), w2)
+        out.sum().backward()
+    row = next(r for r in prof.ops if r["op"] == "aten::mm.default")
+    assert row["forward_calls"] == 2 and row["replayed"] == 1
+    assert row["replay_flops_exact"]
+    assert row["replay_flops"] == 2 * 4 * 8 * 16
+    assert prof.totals["replay_flops"] == 2 * 4 * 8 * 16
+
+
+def test_replay_flops_of_a_gpt_stack_are_exact():
     prof, _, _ = step("gpt4", torch_sac.policies.recompute_all())
     row = next(r for r in prof.ops if r["op"] == "aten::addmm.default")
     assert row["replayed"] > 0
-    assert not row["replay_flops_exact"]  # qkv, proj and the MLP differ in size
-    assert row["replay_flops_low"] <= row["replay_flops"] <= row["replay_flops_high"]
+    assert row["replay_flops_exact"]  # qkv, proj and the MLP differ in size
     t = prof.totals
-    assert t["replay_flops_low"] <= t["replay_flops"] <= t["replay_flops_high"]
-    assert "~" in prof.table()
+    assert t["replay_flops_low"] == t["replay_flops"] == t["replay_flops_high"] > 0
+    assert "~" not in prof.table()
 
 
 # --------------------------------------------------------------------------

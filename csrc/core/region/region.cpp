@@ -286,7 +286,7 @@ void Region::handle(
   ++stats_.policy_calls;
   const bool save = is_save(decision);
   const auto entry_index = static_cast<int32_t>(entries_.size());
-  Entry entry{op, op_index};
+  Entry entry{op, op_index, call_index};
 
   bool produced = false;
   int32_t output_position = 0;
@@ -446,8 +446,10 @@ std::vector<RegionOpSummary> Region::op_summary() const {
   std::vector<RegionOpSummary> rows;
   for (const OpInfo& info : ops_) {
     if (!info.ignored) {
+      auto by_call = info.replays_by_call;
+      by_call.resize(static_cast<size_t>(info.calls), 0);
       rows.push_back({info.name, info.saved, info.dropped, info.replayed,
-                      info.saved_bytes, info.dropped_bytes, info.replay_ns});
+                      info.saved_bytes, info.dropped_bytes, info.replay_ns, std::move(by_call)});
     }
   }
   return rows;

@@ -101,6 +101,7 @@ struct RegionOpSummary {
   int64_t saved_bytes = 0;
   int64_t dropped_bytes = 0;
   int64_t replay_ns = 0;
+  std::vector<int64_t> replays_by_call;  // replays of each forward call, by call index
 };
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
@@ -154,6 +155,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   struct Entry {
     c10::OperatorHandle op;
     int32_t op_index;  // into ops_
+    int64_t call_index = 0;  // among the op's calls in the region
     bool replayable = false;
     std::vector<c10::IValue> args;  // tensors filled in from slots on replay
     std::vector<ArgSlot> slots;
@@ -196,6 +198,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int64_t saved_bytes = 0;
     int64_t dropped_bytes = 0;
     int64_t replay_ns = 0;
+    std::vector<int64_t> replays_by_call;
   };
 
 

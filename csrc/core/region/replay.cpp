@@ -338,6 +338,10 @@ torch::jit::Stack Region::replay_entry(
   OpInfo& info = ops_[entry.op_index];
   ++info.replayed;
   info.replay_ns += elapsed;
+  if (info.replays_by_call.size() <= static_cast<size_t>(entry.call_index)) {
+    info.replays_by_call.resize(static_cast<size_t>(entry.call_index) + 1, 0);
+  }
+  ++info.replays_by_call[static_cast<size_t>(entry.call_index)];
   return stack;
 }
 
