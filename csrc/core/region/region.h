@@ -17,7 +17,13 @@
 // cannot be replayed itself (inputs from outside and outputs of SAVE ops used
 // by RECOMPUTE ops), plus copies of tensors from outside the region that an
 // op overwrote (BatchNorm's running statistics), so replay never writes to
-// them again.
+// them again. Each holding ends as soon as no live saved activation can need
+// it; rebuilt tensors are kept only for unpacks still to come (memo.h).
+//
+// Threads: recording is thread-local; pack, unpack and the end of a saved
+// activation may come from any thread and take the region's mutex, which is
+// never awaited while holding the GIL (see
+// csrc/python/saved_activation_handle.h).
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Storage.h>
