@@ -1,5 +1,7 @@
 #include "interceptor.h"
 
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -7,6 +9,11 @@
 #include <vector>
 
 namespace torch_sac {
+
+bool recording_disabled() {
+  return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
+}
+
 namespace {
 
 // Handlers of this thread, innermost last. shared_ptr keeps a handler alive

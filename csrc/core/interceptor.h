@@ -34,6 +34,11 @@ class OpHandler {
       const void* adapter_view) = 0;
 };
 
+// True when handlers should step aside and just run the op: with grad
+// disabled or in inference mode no autograd graph is built, so nothing is
+// saved for backward and there is nothing to record.
+bool recording_disabled();
+
 // The functionality key the key adapter claims.
 constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::Fake;
 

@@ -1,8 +1,6 @@
 #include "selective_cache.h"
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 
 #include "detached_alias.h"
 #include "ignored_ops.h"
@@ -36,10 +34,6 @@ bool returns_alias(const c10::OperatorHandle& op) {
 }
 
 } // namespace
-
-bool recording_disabled() {
-  return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
-}
 
 CachingHandler::CachingHandler(
     std::shared_ptr<SelectiveCache> cache,

@@ -124,7 +124,4 @@ SelectiveCheckpoint make_selective_checkpoint(
     std::shared_ptr<OpPolicy> policy,
     bool allow_cache_entry_mutation);
 
-// True when interception should step aside: no autograd graph is being built.
-bool recording_disabled();
-
 } // namespace torch_sac

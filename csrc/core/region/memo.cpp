@@ -1,5 +1,7 @@
 #include "memo.h"
 
+#include "csrc/core/tensor_version.h"
+
 namespace torch_sac::region {
 
 void Memo::hold(c10::Storage storage, int32_t state, StreamStamp stream) {
@@ -25,7 +27,7 @@ bool Memo::gone() const {
 }
 
 c10::Storage Memo::at_state(int32_t state) const {
-  if (state != state_ || (version_.enabled() && version_.current_version() != 0)) {
+  if (state != state_ || current_version(version_) != 0) {
     return c10::Storage();
   }
   c10::Storage storage = strong_;

@@ -1,7 +1,5 @@
 #include "region.h"
 
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 
 #include <chrono>
 
@@ -9,20 +7,12 @@
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/op_name.h"
+#include "csrc/core/tensor_version.h"
 #include "replay_guard.h"
 #include "written_args.h"
 
 namespace torch_sac::region {
 namespace {
-
-bool recording_disabled() {
-  return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
-}
-
-uint32_t version_of(const at::Tensor& t) {
-  const auto& counter = t.unsafeGetTensorImpl()->version_counter();
-  return counter.enabled() ? counter.current_version() : 0;
-}
 
 void check_supported(const at::Tensor& t, const std::string& op_name) {
   TORCH_CHECK_NOT_IMPLEMENTED(
@@ -92,6 +82,7 @@ Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) 
     info.name = op_display_name(op);
     info.ignored = is_ignored_op(op.operator_name());
     info.written_args = written_args(op);
+    info.draws_random = RngSnapshot::draws_random(op);
     for (const c10::Argument& ret : op.schema().returns()) {
       const bool tensor = ret.type()->kind() == c10::TypeKind::TensorType ||
           ret.type()->isSubtypeOf(*c10::ListType::ofTensors());
@@ -268,7 +259,8 @@ void Region::handle(
       overwritten[i] = t.clone();
     }
   }
-  std::optional<RngSnapshot> rng = RngSnapshot::capture(op, inputs);
+  std::optional<RngSnapshot> rng =
+      info.draws_random ? RngSnapshot::capture(op, inputs) : std::nullopt;
   const std::string& op_name = info.name;
 
   const auto run_start = Clock::now();

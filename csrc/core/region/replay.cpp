@@ -12,19 +12,12 @@
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
+#include "csrc/core/tensor_version.h"
 #include "region.h"
 #include "replay_guard.h"
 
 namespace torch_sac::region {
 namespace {
-
-uint32_t current_version(const c10::VariableVersion& counter) {
-  return counter.enabled() ? counter.current_version() : 0;
-}
-
-uint32_t version_of(const at::Tensor& t) {
-  return current_version(t.unsafeGetTensorImpl()->version_counter());
-}
 
 std::string describe(const at::Tensor& t) {
   std::ostringstream out;

@@ -8,10 +8,6 @@
 namespace torch_sac::region {
 namespace {
 
-bool is_seeded(const c10::OperatorHandle& op) {
-  return op.hasTag(at::Tag::nondeterministic_seeded);
-}
-
 // The device an op draws on: its `device` argument when given (factories,
 // and `randn_like(x, device=...)`, which draws on the new device), else its
 // first tensor argument's, else CPU.
@@ -43,12 +39,13 @@ at::Generator clone_locked(at::Generator gen) {
 
 } // namespace
 
+bool RngSnapshot::draws_random(const c10::OperatorHandle& op) {
+  return op.hasTag(at::Tag::nondeterministic_seeded);
+}
+
 std::optional<RngSnapshot> RngSnapshot::capture(
     const c10::OperatorHandle& op,
     c10::ArrayRef<c10::IValue> args) {
-  if (!is_seeded(op)) {
-    return std::nullopt;
-  }
   RngSnapshot snap;
   const auto& schema = op.schema();
   for (size_t i = 0; i < schema.arguments().size(); ++i) {

@@ -17,8 +17,10 @@ namespace torch_sac::region {
 
 class RngSnapshot {
  public:
-  // The state before `op` runs with `args`, or nullopt when the op is not
-  // tagged nondeterministic_seeded.
+  // Whether `op` draws random numbers (ATen's nondeterministic_seeded tag).
+  static bool draws_random(const c10::OperatorHandle& op);
+  // The state before `op`, which draws_random(), runs with `args`, or
+  // nullopt when it runs on a device without a generator (meta).
   static std::optional<RngSnapshot> capture(
       const c10::OperatorHandle& op,
       c10::ArrayRef<c10::IValue> args);
