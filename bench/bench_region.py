@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 import torch_sac
 import torch_sac.memory
-from torch_sac.models import Block
+from torch_sac.models import Block, ConvBNReLU
 
 aten = torch.ops.aten
 MATMUL_OPS = [
@@ -57,17 +57,6 @@ MATMUL_OPS = [
     aten.convolution.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 ]
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, channels=64):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-        self.bn = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        return self.relu(self.bn(self.conv(x)))
 
 
 class ChainBlock(nn.Module):
@@ -86,7 +75,7 @@ def build(name, quick):
         blocks = nn.ModuleList(Block(dim=128, heads=4, dropout=0.1) for _ in range(4))
         x = torch.randn(2 if quick else 4, 64 if quick else 128, 128)
     else:
-        blocks = nn.ModuleList(ConvBlock() for _ in range(4))
+        blocks = nn.ModuleList(ConvBNReLU(64, 64) for _ in range(4))
         x = torch.randn(4 if quick else 8, 64, 32, 32)
     return blocks, x.requires_grad_(True)
 

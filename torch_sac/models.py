@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Block", "TinyGPT"]
+__all__ = ["Block", "ConvBNReLU", "TinyGPT"]
 
 
 class Block(nn.Module):
@@ -29,6 +29,19 @@ class Block(nn.Module):
         y = (att @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.dropout(self.proj(y))
         return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class ConvBNReLU(nn.Module):
+    """Conv2d 3x3 -> BatchNorm2d -> ReLU(inplace)."""
+
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)))
 
 
 class TinyGPT(nn.Module):

@@ -42,6 +42,7 @@ from conftest import RUN_SEED, aten, loss_of
 from models import MLP, ConvBN, GPTBlock, Stack, _input_factory, _seeded
 from torch_sac import memory
 from torch_sac.memory import track
+from torch_sac.models import ConvBNReLU
 
 # torch.utils.checkpoint stashes the CPU RNG state (a uint8 tensor) once per
 # checkpoint call (preserve_rng_state=True, the default): a cost the region
@@ -127,19 +128,6 @@ def storage_bytes(tensors):
 # per_block mode, one around the whole model in the whole mode)
 # --------------------------------------------------------------------------
 
-class ConvBNBlock(nn.Module):
-    """Conv2d -> BatchNorm2d -> ReLU(inplace)."""
-
-    def __init__(self, c_in, c_out):
-        super().__init__()
-        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
-        self.bn = nn.BatchNorm2d(c_out)
-        self.act = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        return self.act(self.bn(self.conv(x)))
-
-
 class PoolHead(nn.Module):
     def __init__(self, c, n_out):
         super().__init__()
@@ -177,7 +165,7 @@ MODELS = {
     # 3 x (Conv -> BatchNorm -> ReLU(inplace)), then pool + Linear
     "convbn": Spec(
         lambda: (
-            _seeded(lambda: Stack(ConvBNBlock(3, 8), ConvBNBlock(8, 8), ConvBNBlock(8, 8), PoolHead(8, 4)))(),
+            _seeded(lambda: Stack(ConvBNReLU(3, 8), ConvBNReLU(8, 8), ConvBNReLU(8, 8), PoolHead(8, 4)))(),
             _input_factory((4, 3, 16, 16), 13),
         ),
         py_numbers=0,
