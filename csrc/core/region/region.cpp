@@ -238,25 +238,25 @@ void Region::handle(
   // storage can be replayed; others need no copy.
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
+  std::vector<size_t> written_unreplayable;  // argument positions
   bool may_replay = info.makes_new_tensors;
   for (size_t i : info.written_args) {
-    if (inputs[i].isTensor() && inputs[i].toTensor().defined()) {
-      const int32_t s = find_storage(inputs[i].toTensor());
-      if (s >= 0) {
-        written_storages.push_back(s);
-        may_replay = may_replay || storages_[s].replayable;
-      }
-    }
-  }
-  for (size_t i : info.written_args) {
-    if (!may_replay || !inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
+    if (!inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
       continue;
     }
-    const at::Tensor& t = inputs[i].toTensor();
-    const int32_t s = find_storage(t);
+    const int32_t s = find_storage(inputs[i].toTensor());
+    if (s >= 0) {
+      written_storages.push_back(s);
+      may_replay = may_replay || storages_[s].replayable;
+    }
     if (s < 0 || !storages_[s].replayable) {
-      const ReplayGuard plain_copy;  // no graph, no modes: the region's own copy
-      overwritten[i] = t.clone();
+      written_unreplayable.push_back(i);
+    }
+  }
+  if (may_replay) {
+    const ReplayGuard plain_copy;  // no graph, no modes: the region's own copy
+    for (size_t i : written_unreplayable) {
+      overwritten[i] = inputs[i].toTensor().clone();
     }
   }
   std::optional<RngSnapshot> rng =
