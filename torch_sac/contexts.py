@@ -13,9 +13,9 @@ __all__ = ["create_selective_checkpoint_contexts"]
 class _SelectiveContext:
     """One of the two contexts: routes ops through a C++ handler while entered."""
 
-    def __init__(self, state, handler, on_enter=None):
+    def __init__(self, state, handler, on_enter=None, on_exit=None):
         self._state = state
-        self._mode = handler_mode(handler, on_enter)
+        self._mode = handler_mode(handler, on_enter, on_exit)
 
     def __enter__(self):
         self._mode.__enter__()
@@ -29,8 +29,12 @@ class _SelectiveContext:
 
         ``policy_calls`` (ops passed to the policy in forward), ``saved_ops``
         and ``saved_bytes`` (outputs cached in forward), ``recomputed_ops``
-        (ops re-run during recompute) and ``cache_hits`` (cached outputs handed
-        back during recompute).
+        (ops re-run during recompute), ``cache_hits`` (cached outputs handed
+        back during recompute), ``invalidated_ops`` (outputs cached, then
+        written in place later in forward, so recomputed instead) and
+        ``redirected_writes`` (in-place writes recompute made to a copy
+        because forward had already made them, e.g. BatchNorm's running
+        statistics).
         """
         return self._state.stats()
 
@@ -113,6 +117,7 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation)
     state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
     return (
-        _SelectiveContext(state, state.caching),
-        _SelectiveContext(state, state.cached, on_enter=state.cached.reset_call_counts),
+        _SelectiveContext(state, state.caching, on_enter=state.begin_forward,
+                          on_exit=state.finish_forward),
+        _SelectiveContext(state, state.cached, on_enter=state.begin_recompute),
     )

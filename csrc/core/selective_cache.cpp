@@ -1,11 +1,19 @@
 #include "selective_cache.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/hash.h>
+
+#include <algorithm>
+#include <sstream>
 
 #include "detached_alias.h"
 #include "ignored_ops.h"
 #include "ivalue_tensors.h"
 #include "op_name.h"
+#include "replay_guard.h"
+#include "tensor_version.h"
+#include "written_args.h"
 
 namespace torch_sac {
 namespace {
@@ -33,7 +41,203 @@ bool returns_alias(const c10::OperatorHandle& op) {
   return false;
 }
 
+const c10::StorageImpl* storage_of(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+}
+
+// Shapes and dtypes of an op's outputs, hashed: recompute must make the same.
+uint64_t signature_of(c10::ArrayRef<c10::IValue> outputs) {
+  size_t h = outputs.size();
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      if (!t.defined()) {
+        h = c10::hash_combine(h, 0x9e37);
+        return;
+      }
+      h = c10::hash_combine(h, static_cast<size_t>(t.scalar_type()));
+      h = c10::hash_combine(h, static_cast<size_t>(t.layout()));
+      if (t.is_nested()) {
+        return;  // no sizes() to compare
+      }
+      for (const c10::SymInt& s : t.sym_sizes()) {
+        h = c10::hash_combine(h, s.is_heap_allocated() ? 0x51 : static_cast<size_t>(s.as_int_unchecked()));
+      }
+    });
+  }
+  return h;
+}
+
+std::string describe_outputs(c10::ArrayRef<c10::IValue> outputs) {
+  std::ostringstream out;
+  const char* sep = "";
+  for (const c10::IValue& v : outputs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      out << sep;
+      sep = ", ";
+      if (!t.defined()) {
+        out << "undefined";
+      } else if (t.is_nested()) {
+        out << t.scalar_type() << " nested";
+      } else {
+        out << t.scalar_type() << t.sizes();
+      }
+    });
+  }
+  return out.str();
+}
+
+// Calls fn(tensor, position) for every tensor argument, numbered in
+// for_each_tensor order, with a setter that replaces it on the stack.
+template <typename Fn>
+void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
+  uint32_t position = 0;
+  for (c10::IValue& arg : args) {
+    if (arg.isTensor()) {
+      fn(arg.toTensor(), position++, [&](at::Tensor t) { arg = std::move(t); });
+    } else if (arg.isTensorList() || arg.isList()) {
+      const size_t n = arg.isTensorList() ? arg.toTensorList().size() : arg.toListRef().size();
+      for (size_t k = 0; k < n; ++k) {
+        c10::IValue element = arg.isTensorList() ? c10::IValue(arg.toTensorList().get(k))
+                                                  : arg.toList().get(k);
+        if (!element.isTensor()) {
+          continue;
+        }
+        fn(element.toTensor(), position++, [&arg, k](at::Tensor t) {
+          // Lists are shared with the caller: replace in a copy.
+          if (arg.isTensorList()) {
+            auto list = arg.toTensorList().copy();
+            list.set(k, std::move(t));
+            arg = std::move(list);
+          } else {
+            auto list = arg.toList().copy();
+            list.set(k, std::move(t));
+            arg = std::move(list);
+          }
+        });
+      }
+    }
+  }
+}
+
+[[noreturn]] void sequence_mismatch(
+    const c10::OperatorHandle& op, size_t position, const std::string& why) {
+  TORCH_CHECK(
+      false,
+      "torch_sac: recompute does not match forward: ", op_display_name(op), " ran as op #",
+      position, " of the checkpointed region in recompute, ", why, ". Recompute re-runs "
+      "the checkpointed function and must run the ops forward ran: avoid control flow that "
+      "depends on global state or Python randomness changed between forward and backward, "
+      "and do not call backward() or an optimizer step inside the checkpointed function.");
+}
+
 } // namespace
+
+void SelectiveCache::begin_forward() {
+  records_ = !recording_disabled();
+}
+
+void SelectiveCache::finish_forward() {
+  if (forward_finished_) {
+    return;
+  }
+  forward_finished_ = true;
+  for (OpRecord* record : first_seen_order_) {
+    for (Entry& entry : record->entries) {
+      if (entry.state != EntryState::Cached) {
+        continue;
+      }
+      entry.watched_versions.clear();
+      for (const c10::VariableVersion& counter : entry.watched) {
+        entry.watched_versions.push_back(current_version(counter));
+      }
+    }
+  }
+}
+
+void SelectiveCache::begin_recompute() {
+  finish_forward();
+  recompute_position_ = 0;
+}
+
+SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
+  auto [it, inserted] = records_by_op_.try_emplace(op, op);
+  if (inserted) {
+    OpRecord& record = it->second;
+    record.ignored = is_ignored_op(op.operator_name());
+    record.written_args = written_args(op);
+    for (const c10::Argument& ret : op.schema().returns()) {
+      record.returns_written_arg =
+          record.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
+    }
+    first_seen_order_.push_back(&record);
+  }
+  return it->second;
+}
+
+void SelectiveCache::cache_outputs(
+    OpRecord& record,
+    Entry& entry,
+    c10::ArrayRef<c10::IValue> outputs,
+    bool op_returns_alias) {
+  const int64_t call_index = &entry - record.entries.data();
+  entry.state = EntryState::Cached;
+  entry.outputs.reserve(outputs.size());
+  for (const c10::IValue& out : outputs) {
+    entry.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        entry.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        entry.bytes += tensor_bytes(t);
+        if (const c10::StorageImpl* s = storage_of(t)) {
+          cached_storages_[s].emplace_back(&record, call_index);
+        }
+      }
+      return cacheable(t, op_returns_alias);
+    }));
+  }
+  ++stats_.saved_ops;
+  stats_.saved_bytes += entry.bytes;
+}
+
+void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
+  auto it = cached_storages_.find(storage);
+  if (it == cached_storages_.end()) {
+    return;
+  }
+  for (const auto& [record, call_index] : it->second) {
+    Entry& entry = record->entries[call_index];
+    if (entry.state != EntryState::Cached) {
+      continue;
+    }
+    entry.state = EntryState::Recompute;
+    entry.outputs.clear();
+    entry.watched.clear();
+    --stats_.saved_ops;
+    stats_.saved_bytes -= entry.bytes;
+    entry.bytes = 0;
+    ++stats_.invalidated_ops;
+  }
+  cached_storages_.erase(it);
+}
+
+void SelectiveCache::watch_aliases(c10::ArrayRef<c10::IValue> outputs) {
+  if (cached_storages_.empty()) {
+    return;
+  }
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      auto it = cached_storages_.find(storage_of(t));
+      if (it == cached_storages_.end()) {
+        return;
+      }
+      for (const auto& [record, call_index] : it->second) {
+        Entry& entry = record->entries[call_index];
+        if (entry.state == EntryState::Cached) {
+          entry.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        }
+      }
+    });
+  }
+}
 
 CachingHandler::CachingHandler(
     std::shared_ptr<SelectiveCache> cache,
@@ -47,7 +251,10 @@ void CachingHandler::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* adapter_view) {
-  if (recording_disabled()) {
+  // Ops under no_grad in a checkpointed function entered with grad on are
+  // seen too, as by PyTorch's SAC: a custom autograd.Function's body, a
+  // custom op under its autograd formula.
+  if (!cache_->records() || c10::InferenceMode::is_enabled()) {
     run(stack);
     return;
   }
@@ -60,19 +267,55 @@ void CachingHandler::handle(
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   // A policy that looks at the inputs sees them after the op ran (torch calls
   // it with op_output), so keep them; in-place ops return their input anyway.
-  std::vector<c10::IValue> inputs;
-  if (policy_->needs_values()) {
-    inputs.assign(stack->end() - num_args, stack->end());
+  const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  std::vector<SelectiveCache::InputSeen> seen;
+  std::vector<SelectiveCache::StorageWritten> writes;
+  uint32_t position = 0;
+  const int64_t sequence_position = static_cast<int64_t>(cache_->sequence_.size());
+  for (size_t i = 0; i < num_args; ++i) {
+    const bool written = std::find(record.written_args.begin(), record.written_args.end(), i) !=
+        record.written_args.end();
+    for_each_tensor(inputs[i], [&](const at::Tensor& t) {
+      SelectiveCache::InputSeen input;
+      if (const c10::StorageImpl* s = storage_of(t)) {
+        input.storage.emplace(t.storage().getWeakStorageImpl());
+        input.version = version_of(t);
+        if (written) {
+          // A cached output written later in forward is stale: recompute it.
+          cache_->invalidate(s);
+          writes.push_back({position, input.storage});
+          cache_->last_write_[s] = sequence_position;
+        }
+      }
+      seen.push_back(std::move(input));
+      ++position;
+    });
   }
+  // An op that writes its arguments is re-run in recompute whatever the
+  // policy says, unless it only writes tensors from outside the region
+  // (BatchNorm's running statistics) and returns new tensors: a cache hit
+  // skips the op, so a write to a tensor recompute makes anew would be lost,
+  // and an in-place op returns its `self` to the Python code, not the
+  // handler's output.
+  bool cacheable_writes = record.written_args.empty() ||
+      (!record.returns_written_arg &&
+       std::none_of(writes.begin(), writes.end(), [&](const auto& w) {
+         return cache_->produced_.count(w.storage->_unsafe_get_target()) > 0;
+       }));
   run(stack);
   const size_t num_returns = op.schema().returns().size();
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      if (const c10::StorageImpl* s = storage_of(t)) {
+        cache_->produced_.insert(s);
+      }
+    });
+  }
 
   const int64_t call_index = record.forward_calls++;
-  const Policy decision =
-      policy_->decide(OpCall{op, inputs, outputs, call_index, adapter_view});
-  auto& stats = cache_->stats();
-  ++stats.policy_calls;
+  const Policy decision = policy_->decide(OpCall{op, inputs, outputs, call_index, adapter_view});
+  ++cache_->stats().policy_calls;
 
   auto& entries = record.entries;
   if (entries.size() <= static_cast<size_t>(call_index)) {
@@ -80,20 +323,14 @@ void CachingHandler::handle(
   }
   SelectiveCache::Entry& entry = entries[call_index];
   entry = SelectiveCache::Entry{};
-  if (!is_save(decision)) {
-    return;
+  entry.signature = signature_of(outputs);
+  entry.inputs = std::move(seen);
+  entry.writes = std::move(writes);
+  cache_->sequence_.push_back({&record, call_index});
+  cache_->watch_aliases(outputs);
+  if (is_save(decision) && cacheable_writes) {
+    cache_->cache_outputs(record, entry, outputs, returns_alias(op));
   }
-  entry.state = SelectiveCache::EntryState::Cached;
-  entry.outputs.reserve(num_returns);
-  const bool op_returns_alias = returns_alias(op);
-  for (const c10::IValue& out : outputs) {
-    entry.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
-      entry.versions.push_back(t.defined() ? t._version() : 0);
-      stats.saved_bytes += tensor_bytes(t);
-      return cacheable(t, op_returns_alias);
-    }));
-  }
-  ++stats.saved_ops;
 }
 
 CachedHandler::CachedHandler(
@@ -104,12 +341,84 @@ CachedHandler::CachedHandler(
   TORCH_CHECK(cache_, "torch_sac: CachedHandler needs a cache");
 }
 
+void CachedHandler::check_inputs(
+    const SelectiveCache::OpRecord& record,
+    int64_t call_index,
+    c10::ArrayRef<c10::IValue> inputs) const {
+  const SelectiveCache::Entry& entry = record.entries[call_index];
+  const size_t position = cache_->recompute_position_ - 1;
+  size_t k = 0;
+  bool count_matches = true;
+  for (const c10::IValue& v : inputs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (k >= entry.inputs.size()) {
+        count_matches = false;
+        return;
+      }
+      const SelectiveCache::InputSeen& seen = entry.inputs[k++];
+      const c10::StorageImpl* s = storage_of(t);
+      if (!SelectiveCache::same_storage(seen.storage, s)) {
+        return;  // not the storage forward read (recompute made it anew)
+      }
+      // The same storage forward read: recompute must see what forward saw.
+      auto written = cache_->last_write_.find(s);
+      if (written != cache_->last_write_.end()) {
+        // Forward's writes to it are not made again (see below), so it now
+        // holds its value after forward's last write: right for a read at
+        // or after that write, wrong for a read before it.
+        TORCH_CHECK(
+            static_cast<size_t>(written->second) <= position,
+            "torch_sac: ", op_display_name(record.op), " (call ", call_index, ") read a "
+            "tensor in forward that a later op of the checkpointed region (op #",
+            written->second, ") modified in place, so recompute would read the modified "
+            "value. Do not modify tensors from outside the checkpointed function in place "
+            "after reading them inside it (an optimizer step, a buffer update), or move "
+            "that code out of the checkpointed function.");
+        return;
+      }
+      if (allow_cache_entry_mutation_ && cache_->cached_storages_.count(s)) {
+        return;
+      }
+      const uint32_t now = version_of(t);
+      TORCH_CHECK(
+          now == seen.version,
+          "one of the variables needed for gradient computation has been modified by an "
+          "inplace operation: a tensor of shape ", t.sizes(), " is at version ", now,
+          "; expected version ", seen.version, " instead. (torch_sac: ",
+          op_display_name(record.op), " (call ", call_index, ") read it in the "
+          "checkpointed region's forward and reads it again in recompute; it was modified "
+          "in place in between.)");
+    });
+  }
+  if (k != entry.inputs.size() || !count_matches) {
+    sequence_mismatch(record.op, position,
+                      "with a different number of tensor arguments than in forward");
+  }
+}
+
+void CachedHandler::check_cached_unchanged(
+    const SelectiveCache::OpRecord& record,
+    int64_t call_index) const {
+  const SelectiveCache::Entry& entry = record.entries[call_index];
+  for (size_t i = 0; i < entry.watched.size(); ++i) {
+    const uint32_t cached_version = entry.watched_versions[i];
+    const uint32_t now = current_version(entry.watched[i]);
+    TORCH_CHECK(
+        now == cached_version,
+        "torch_sac: an output of ", op_display_name(record.op), " (call ", call_index,
+        ") was cached by selective activation checkpointing and then mutated in place "
+        "(version ", cached_version, " -> ", now, ") after forward, so backward would see "
+        "wrong values. Make the policy recompute this op, avoid the in-place op, or pass "
+        "allow_cache_entry_mutation=True if the mutation is intended.");
+  }
+}
+
 void CachedHandler::handle(
     const c10::OperatorHandle& op,
     torch::jit::Stack* stack,
     RunOp run,
     const void* /*adapter_view*/) {
-  if (recording_disabled()) {
+  if (!cache_->records() || c10::InferenceMode::is_enabled()) {
     run(stack);
     return;
   }
@@ -118,22 +427,56 @@ void CachedHandler::handle(
     run(stack);
     return;
   }
-  const int64_t call_index = record.recompute_calls++;
-  auto& entries = record.entries;
-  TORCH_CHECK(
-      static_cast<size_t>(call_index) < entries.size(),
-      "torch_sac: ", op_display_name(op), " (call ", call_index,
-      ") ran during recompute but not in forward. The checkpointed region must "
-      "run the same ops in backward as in forward: avoid data-dependent control "
-      "flow and global state that changes between forward and backward.");
-  SelectiveCache::Entry& entry = entries[call_index];
+  const size_t position = cache_->recompute_position_++;
+  const auto& sequence = cache_->sequence_;
+  if (position >= sequence.size()) {
+    sequence_mismatch(op, position, "but forward ran only " + std::to_string(sequence.size()) +
+                      " ops (it was not found in forward's record)");
+  }
+  if (sequence[position].record != &record) {
+    const auto& expected = *sequence[position].record;
+    sequence_mismatch(op, position, "where forward ran " + op_display_name(expected.op) +
+                      " (call " + std::to_string(sequence[position].call_index) + ")");
+  }
+  const int64_t call_index = sequence[position].call_index;
+  SelectiveCache::Entry& entry = record.entries[call_index];
+  const size_t num_args = op.schema().arguments().size();
+  TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  check_inputs(record, call_index,
+               c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args));
   auto& stats = cache_->stats();
   switch (entry.state) {
-    case SelectiveCache::EntryState::Recompute:
+    case SelectiveCache::EntryState::Recompute: {
+      // A write forward already made to this very storage goes to a copy.
+      if (!entry.writes.empty()) {
+        torch::jit::Stack args(stack->end() - num_args, stack->end());
+        bool redirected = false;
+        for_each_tensor_arg(args, [&](const at::Tensor& t, uint32_t k, auto replace) {
+          for (const auto& w : entry.writes) {
+            if (w.input == k && SelectiveCache::same_storage(w.storage, storage_of(t))) {
+              const ReplayGuard plain_copy;
+              replace(t.clone());
+              ++stats.redirected_writes;
+              redirected = true;
+            }
+          }
+        });
+        if (redirected) {
+          std::copy(args.begin(), args.end(), stack->end() - num_args);
+        }
+      }
       run(stack);
+      const size_t num_returns = op.schema().returns().size();
+      c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+      if (signature_of(outputs) != entry.signature) {
+        sequence_mismatch(op, position, "(call " + std::to_string(call_index) +
+                          ") and made outputs [" + describe_outputs(outputs) +
+                          "] whose shapes or dtypes differ from forward's");
+      }
       ++record.recomputed;
       ++stats.recomputed_ops;
       return;
+    }
     case SelectiveCache::EntryState::Consumed:
       TORCH_CHECK(
           false,
@@ -145,60 +488,31 @@ void CachedHandler::handle(
       break;
   }
   if (!allow_cache_entry_mutation_) {
-    size_t i = 0;
-    for (const c10::IValue& out : entry.outputs) {
-      for_each_tensor(out, [&](const at::Tensor& t) {
-        const uint32_t cached_version = entry.versions[i++];
-        TORCH_CHECK(
-            !t.defined() || t._version() == cached_version,
-            "torch_sac: an output of ", op_display_name(op), " (call ",
-            call_index, ") was cached by selective activation checkpointing "
-            "and then mutated in place (version ", cached_version, " -> ",
-            t._version(), ") before backward, so backward would see wrong "
-            "values. Make the policy recompute this op, avoid the in-place "
-            "op, or pass allow_cache_entry_mutation=True if the mutation is "
-            "intended.");
-      });
-    }
+    check_cached_unchanged(record, call_index);
   }
-  torch::jit::drop(*stack, op.schema().arguments().size());
+  torch::jit::drop(*stack, num_args);
   for (c10::IValue& out : entry.outputs) {
     stack->push_back(std::move(out));
   }
   entry.outputs.clear();
-  entry.versions.clear();
+  entry.watched.clear();
+  entry.watched_versions.clear();
   entry.state = SelectiveCache::EntryState::Consumed;
   ++stats.cache_hits;
-}
-
-SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
-  auto [it, inserted] = records_.try_emplace(op);
-  if (inserted) {
-    it->second.ignored = is_ignored_op(op.operator_name());
-    first_seen_order_.push_back(op);
-  }
-  return it->second;
-}
-
-void SelectiveCache::reset_recompute_calls() {
-  for (auto& [op, record] : records_) {
-    record.recompute_calls = 0;
-  }
 }
 
 std::vector<OpSummary> SelectiveCache::summary() const {
   std::vector<OpSummary> out;
   out.reserve(first_seen_order_.size());
-  for (const auto& op : first_seen_order_) {
-    const OpRecord& record = records_.at(op);
-    if (record.ignored) {
+  for (const OpRecord* record : first_seen_order_) {
+    if (record->ignored) {
       continue;
     }
-    OpSummary s{op_display_name(op)};
-    for (const Entry& e : record.entries) {
+    OpSummary s{op_display_name(record->op)};
+    for (const Entry& e : record->entries) {
       (e.state == EntryState::Recompute ? s.dropped : s.saved) += 1;
     }
-    s.recomputed = record.recomputed;
+    s.recomputed = record->recomputed;
     out.push_back(std::move(s));
   }
   return out;
@@ -206,11 +520,11 @@ std::vector<OpSummary> SelectiveCache::summary() const {
 
 std::vector<std::pair<c10::OperatorHandle, int64_t>> SelectiveCache::saved_calls() const {
   std::vector<std::pair<c10::OperatorHandle, int64_t>> out;
-  for (const auto& op : first_seen_order_) {
-    const auto& entries = records_.at(op).entries;
+  for (const OpRecord* record : first_seen_order_) {
+    const auto& entries = record->entries;
     for (size_t i = 0; i < entries.size(); ++i) {
       if (entries[i].state != EntryState::Recompute) {
-        out.emplace_back(op, static_cast<int64_t>(i));
+        out.emplace_back(record->op, static_cast<int64_t>(i));
       }
     }
   }

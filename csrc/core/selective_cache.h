@@ -2,15 +2,34 @@
 // The drop-in for torch.utils.checkpoint.create_selective_checkpoint_contexts:
 // a caching handler for forward and a cached handler for recompute sharing one
 // SelectiveCache. Forward caches the outputs of SAVE ops keyed by
-// (op, call index) with their version counters; recompute hands cached outputs
-// back and runs the rest.
+// (op, call index); recompute hands cached outputs back and runs the rest.
+//
+// Recompute re-runs the user's Python function, so the cache also checks
+// that it runs what forward ran, and that nothing forward read changed:
+//  * forward records the sequence of ops and each call's output shapes and
+//    dtypes; recompute must meet the same ops in the same order (it may stop
+//    early) with the same output shapes and dtypes;
+//  * a tensor forward read whose storage recompute reads again must be at
+//    the version forward read (a tensor from outside the region modified
+//    between forward and backward);
+//  * a cached output is watched by storage: a write to it later in forward,
+//    through any alias (a view, `_unsafe_view`, `out=`), drops it from the
+//    cache so recompute runs it again; a write after forward through any
+//    alias forward saw raises at the cache hit;
+//  * an op that wrote in forward to a storage recompute meets again (BatchNorm
+//    running statistics, a parameter, a `.grad`) writes to a copy in
+//    recompute: forward's update happens exactly once.
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -25,6 +44,10 @@ struct SelectiveCacheStats {
   int64_t saved_bytes = 0;
   int64_t recomputed_ops = 0;
   int64_t cache_hits = 0;
+  // Cached in forward, then written in place later in forward: recomputed.
+  int64_t invalidated_ops = 0;
+  // Writes recompute made to a copy because forward already made them.
+  int64_t redirected_writes = 0;
 };
 
 // What happened to one op overload's calls in a region.
@@ -39,6 +62,21 @@ class SelectiveCache {
  public:
   enum class EntryState : uint8_t { Recompute, Cached, Consumed };
 
+  // A storage forward met, weakly: recompute compares identities with it.
+  using WeakStorage = std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>;
+  struct InputSeen {
+    WeakStorage storage;  // empty for tensors without storage
+    uint32_t version = 0;
+  };
+  struct StorageWritten {
+    uint32_t input = 0;   // position among the op's tensor inputs
+    WeakStorage storage;
+  };
+  // Whether `seen` is `storage`, still alive.
+  static bool same_storage(const WeakStorage& seen, const c10::StorageImpl* storage) {
+    return storage && seen && seen->use_count() > 0 && seen->_unsafe_get_target() == storage;
+  }
+
   struct Entry {
     EntryState state = EntryState::Recompute;
     // Outputs as recompute hands them back: floating-point/complex tensors and
@@ -46,22 +84,42 @@ class SelectiveCache {
     // and version counter; other tensors are kept as they are (PyTorch gives
     // those back as the same object).
     std::vector<c10::IValue> outputs;
-    // Version of each cached tensor at caching time, in outputs order.
-    std::vector<uint32_t> versions;
+    int64_t bytes = 0;
+    // Version counters of every tensor forward saw on the cached storages
+    // (the outputs, their views, `_unsafe_view` aliases with counters of
+    // their own), and their versions when forward ended.
+    std::vector<c10::VariableVersion> watched;
+    std::vector<uint32_t> watched_versions;
+    // Shapes and dtypes of the outputs, hashed.
+    uint64_t signature = 0;
+    std::vector<InputSeen> inputs;      // in for_each_tensor order
+    std::vector<StorageWritten> writes;
   };
 
   // Everything the region knows about one op overload, found with a single
   // hash lookup per intercepted op.
   struct OpRecord {
+    explicit OpRecord(const c10::OperatorHandle& handle) : op(handle) {}
     bool ignored = false;           // in the ignored set: never cached
+    std::vector<size_t> written_args;
+    bool returns_written_arg = false;  // in-place and out= ops
     std::vector<Entry> entries;     // indexed by forward call index
     int64_t forward_calls = 0;      // call counter of the caching handler
-    int64_t recompute_calls = 0;    // call counter of the cached handler
     int64_t recomputed = 0;         // calls re-run during recompute
+    c10::OperatorHandle op;
   };
 
+  // Forward starts: records only when grad is on (as autograd saves only then).
+  void begin_forward();
+  // Forward ended: the versions cached outputs must still have at recompute.
+  void finish_forward();
+  // Recompute starts (again): the op sequence is matched from the start.
+  void begin_recompute();
+  bool records() const {
+    return records_;
+  }
+
   OpRecord& record_for(const c10::OperatorHandle& op);
-  void reset_recompute_calls();
   SelectiveCacheStats& stats() {
     return stats_;
   }
@@ -72,8 +130,33 @@ class SelectiveCache {
   std::vector<std::pair<c10::OperatorHandle, int64_t>> saved_calls() const;
 
  private:
-  std::unordered_map<c10::OperatorHandle, OpRecord> records_;
-  std::vector<c10::OperatorHandle> first_seen_order_;
+  friend class CachingHandler;
+  friend class CachedHandler;
+
+  struct Call {
+    OpRecord* record;
+    int64_t call_index;
+  };
+
+  void cache_outputs(OpRecord& record, Entry& entry, c10::ArrayRef<c10::IValue> outputs,
+                     bool op_returns_alias);
+  // Drops the cached entries whose outputs live on `storage`.
+  void invalidate(const c10::StorageImpl* storage);
+  void watch_aliases(c10::ArrayRef<c10::IValue> outputs);
+
+  std::unordered_map<c10::OperatorHandle, OpRecord> records_by_op_;
+  std::vector<OpRecord*> first_seen_order_;
+  std::vector<Call> sequence_;   // forward's calls, in order
+  size_t recompute_position_ = 0;
+  // Cached entries by the storages their outputs live on.
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<OpRecord*, int64_t>>>
+      cached_storages_;
+  // Storages of every op output in forward (so possibly made anew by
+  // recompute), and storages forward wrote to, with its last write.
+  std::unordered_set<const c10::StorageImpl*> produced_;
+  std::unordered_map<const c10::StorageImpl*, int64_t> last_write_;
+  bool records_ = true;
+  bool forward_finished_ = false;
   SelectiveCacheStats stats_;
 };
 
@@ -103,12 +186,12 @@ class CachedHandler final : public OpHandler {
       torch::jit::Stack* stack,
       RunOp run,
       const void* adapter_view) override;
-  // Recompute restarts counting at call 0 each time it is entered.
-  void reset_call_counts() {
-    cache_->reset_recompute_calls();
-  }
 
  private:
+  void check_inputs(const SelectiveCache::OpRecord& record, int64_t call_index,
+                    c10::ArrayRef<c10::IValue> inputs) const;
+  void check_cached_unchanged(const SelectiveCache::OpRecord& record, int64_t call_index) const;
+
   std::shared_ptr<SelectiveCache> cache_;
   bool allow_cache_entry_mutation_;
 };

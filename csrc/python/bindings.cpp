@@ -42,13 +42,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CachingHandler, OpHandler, std::shared_ptr<CachingHandler>>(
       m, "CachingHandler");
   py::class_<CachedHandler, OpHandler, std::shared_ptr<CachedHandler>>(
-      m, "CachedHandler")
-      .def("reset_call_counts", &CachedHandler::reset_call_counts);
+      m, "CachedHandler");
   py::class_<SelectiveCheckpoint>(m, "SelectiveCheckpoint")
       .def(py::init(&make_selective_checkpoint), py::arg("policy"),
            py::arg("allow_cache_entry_mutation"))
       .def_readonly("caching", &SelectiveCheckpoint::caching)
       .def_readonly("cached", &SelectiveCheckpoint::cached)
+      .def("begin_forward", [](SelectiveCheckpoint& self) { self.cache->begin_forward(); })
+      .def("finish_forward", [](SelectiveCheckpoint& self) { self.cache->finish_forward(); })
+      .def("begin_recompute", [](SelectiveCheckpoint& self) { self.cache->begin_recompute(); })
       .def("stats", [](const SelectiveCheckpoint& self) {
         const auto& s = self.cache->stats();
         py::dict d;
@@ -57,6 +59,8 @@ PYBIND11_MODULE(_C, m) {
         d["saved_bytes"] = s.saved_bytes;
         d["recomputed_ops"] = s.recomputed_ops;
         d["cache_hits"] = s.cache_hits;
+        d["invalidated_ops"] = s.invalidated_ops;
+        d["redirected_writes"] = s.redirected_writes;
         return d;
       })
       .def("op_summary", [](const SelectiveCheckpoint& self) {

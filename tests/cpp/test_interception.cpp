@@ -173,13 +173,19 @@ class SelectiveCacheTest : public KeyAdapter {
  protected:
   // Forward: y = relu(a @ b) under the caching handler with `policy`.
   at::Tensor forward(SelectiveCheckpoint& sac, const at::Tensor& a, const at::Tensor& b) {
-    KeyAdapterScope scope(sac.caching);
-    mm_out = at::mm(a, b);
-    return mm_out.relu();
+    sac.cache->begin_forward();
+    at::Tensor out;
+    {
+      KeyAdapterScope scope(sac.caching);
+      mm_out = at::mm(a, b);
+      out = mm_out.relu();
+    }
+    sac.cache->finish_forward();
+    return out;
   }
   // Recompute: the same ops under the cached handler.
   std::pair<at::Tensor, at::Tensor> recompute(SelectiveCheckpoint& sac, const at::Tensor& a, const at::Tensor& b) {
-    sac.cached->reset_call_counts();
+    sac.cache->begin_recompute();
     KeyAdapterScope scope(sac.cached);
     auto m = at::mm(a, b);
     return {m, m.relu()};
@@ -256,7 +262,7 @@ TEST_F(SelectiveCacheTest, OpMissingFromForwardRaises) {
   auto a = at::randn({3, 3}).requires_grad_();
   auto b = at::randn({3, 3});
   forward(sac, a, b);
-  sac.cached->reset_call_counts();
+  sac.cache->begin_recompute();
   KeyAdapterScope scope(sac.cached);
   EXPECT_THROW(at::sin(a), c10::Error);
 }

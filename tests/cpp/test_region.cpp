@@ -190,15 +190,29 @@ TEST_F(RegionEngine, ChangedOutsideInputIsAnErrorNamingTheOp) {
   }
 }
 
-TEST_F(RegionEngine, NothingIsRecordedWithGradDisabled) {
-  auto region = make_region(policies::recompute_all());
+TEST_F(RegionEngine, NothingIsRecordedWhenEnteredWithGradDisabled) {
   const auto x = at::randn({4}).requires_grad_();
+  at::NoGradGuard no_grad;
+  auto region = make_region(policies::recompute_all());
   {
-    at::NoGradGuard no_grad;
     KeyAdapterScope scope(region);
     (void)x.sin();
   }
   EXPECT_EQ(region->stats().policy_calls, 0);
+}
+
+TEST_F(RegionEngine, NoGradIslandInsideARegionIsRecorded) {
+  // As in PyTorch's SAC: a custom Function's body runs with grad off, and
+  // what it makes may be saved for backward.
+  auto region = make_region(policies::recompute_all());
+  const auto x = at::randn({4}).requires_grad_();
+  {
+    KeyAdapterScope scope(region);
+    at::NoGradGuard no_grad;
+    (void)x.sin();
+  }
+  EXPECT_EQ(region->stats().policy_calls, 1);
+  EXPECT_EQ(region->stats().dropped_ops, 1);
 }
 
 } // namespace

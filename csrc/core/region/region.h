@@ -42,6 +42,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
 #include "memo.h"
+#include "numerics_state.h"
 #include "rng_snapshot.h"
 #include "tensor_geometry.h"
 
@@ -169,6 +170,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<std::pair<int32_t, int32_t>> produced;  // (output position, storage)
     std::vector<int32_t> writes;  // region storages it wrote to
     std::optional<RngSnapshot> rng;
+    NumericsState numerics;  // default dtype etc. when recorded
   };
 
   struct StorageRecord {
@@ -233,7 +235,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   };
   ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
   c10::Storage materialize(int32_t storage, int32_t state);
-  void check_unchanged(const ArgSlot& slot, const Entry& consumer) const;
+  // A held argument must still be what the op read: same version, and its
+  // storage not freed or shrunk since (FSDP2 frees unsharded parameters).
+  void check_held(const ArgSlot& slot, const Entry& consumer) const;
   torch::jit::Stack replay_entry(
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
@@ -255,6 +259,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
   bool allow_cache_entry_mutation_;
+  // False when the region was entered with grad off or in inference mode:
+  // no graph is built, so nothing is recorded.
+  const bool records_;
   bool open_ = true;
   std::vector<Entry> entries_;
   std::vector<StorageRecord> storages_;

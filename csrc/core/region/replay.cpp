@@ -14,7 +14,7 @@
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/tensor_version.h"
 #include "region.h"
-#include "replay_guard.h"
+#include "csrc/core/replay_guard.h"
 
 namespace torch_sac::region {
 namespace {
@@ -177,7 +177,7 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
     const Entry& entry = entries_[e];
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
       if (slot.held.defined()) {
-        check_unchanged(slot, entry);
+        check_held(slot, entry);
         return slot.held;
       }
       auto w = working.find(slot.storage);
@@ -254,7 +254,19 @@ void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
   record.memo.hold(t.storage(), state, StreamStamp::current_for(t));
 }
 
-void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
+void Region::check_held(const ArgSlot& slot, const Entry& consumer) const {
+  const std::string& op = ops_[consumer.op_index].name;
+  const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
+  const TensorGeometry geometry = TensorGeometry::of(slot.held);
+  TORCH_CHECK(
+      geometry.fits(slot.held.storage()),
+      "torch_sac: replaying ", op, " in backward needs its argument '", arg, "', ",
+      describe(slot.held), ", which was kept from forward, but its storage now holds ",
+      slot.held.storage().nbytes(), " bytes where the op read ", geometry.nbytes(),
+      ": it was freed or resized after forward (FSDP2 with reshard_after_forward=True "
+      "frees unsharded parameters this way). Put the region inside the module that owns "
+      "the tensor (one sac_context per fully_shard-ed module), keep the tensor allocated "
+      "until backward, or make the policy save the ops that read it.");
   const uint32_t now = version_of(slot.held);
   if (now == slot.version) {
     return;
@@ -263,8 +275,6 @@ void Region::check_unchanged(const ArgSlot& slot, const Entry& consumer) const {
   if (from_region && allow_cache_entry_mutation_) {
     return;
   }
-  const std::string& op = ops_[consumer.op_index].name;
-  const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
   TORCH_CHECK(
       false,
       "one of the variables needed for gradient computation has been modified "
@@ -313,6 +323,7 @@ torch::jit::Stack Region::replay_entry(
   const auto start = std::chrono::steady_clock::now();
   {
     ReplayGuard guard;
+    NumericsGuard numerics(entry.numerics);
     for (uint32_t i : entry.scratch_args) {
       record_use_on_current_stream(stack[i].toTensor());
       stack[i] = stack[i].toTensor().clone();

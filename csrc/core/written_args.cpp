@@ -4,7 +4,7 @@
 #include <array>
 #include <string_view>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 std::vector<size_t> written_args(const c10::OperatorHandle& op) {
   const auto& schema = op.schema();
@@ -30,4 +30,4 @@ std::vector<size_t> written_args(const c10::OperatorHandle& op) {
   return written;
 }
 
-} // namespace torch_sac::region
+} // namespace torch_sac

@@ -1,13 +1,14 @@
 #pragma once
 // Runs ops the way the interceptor saw them: below autograd, autocast,
 // Python modes and torch_sac's own key (all of which sit at or above the
-// Python key), with grad off. For replays and for the region's own copies.
+// Python key), with grad off. For region replays, the region's own copies
+// and the drop-in's redirected writes.
 
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 class ReplayGuard {
  public:
@@ -22,4 +23,4 @@ class ReplayGuard {
   c10::AutoGradMode no_grad_;
 };
 
-} // namespace torch_sac::region
+} // namespace torch_sac

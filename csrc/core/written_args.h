@@ -5,7 +5,7 @@
 
 #include <vector>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 // Indices of the arguments `op` may modify in place: those its schema marks
 // `(a!)`, plus the running statistics of the batch-norm kernels whose
@@ -13,4 +13,4 @@ namespace torch_sac::region {
 // miopen_batch_norm in training mode).
 std::vector<size_t> written_args(const c10::OperatorHandle& op);
 
-} // namespace torch_sac::region
+} // namespace torch_sac
