@@ -32,7 +32,8 @@ def _op_patterns(ops, where):
         elif isinstance(op, torch._ops.OpOverloadPacket):
             patterns.append((op._qualified_op_name, None))
         else:
-            raise TypeError(
+            # ValueError, as PyTorch's create_selective_checkpoint_contexts raises.
+            raise ValueError(
                 f"torch_sac.{where}: {op!r} (type {type(op).__name__}) is not an "
                 "op; pass OpOverloads such as torch.ops.aten.mm.default or "
                 "packets such as torch.ops.aten.mm (matching every overload)"

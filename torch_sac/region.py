@@ -90,6 +90,7 @@ class sac_context:
         self._region = None
         self._owner = False
         self._exits = []
+        self._torn_down = False
 
     def __enter__(self):
         if self._region is not None:
@@ -116,6 +117,10 @@ class sac_context:
                 lambda: mode.__exit__(None, None, None),
                 self._region.close,
             ]
+        # The policy is only asked in forward; the region lets go of it on
+        # exit, and so does this object (no reference cycle through a policy
+        # that is a bound method of a module keeping its region).
+        self._policy = None
         stack.append(self)
         if self._owner:
             for observer in list(_observers()):
@@ -123,20 +128,47 @@ class sac_context:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if self._torn_down:
+            return False  # already exited (an out-of-order exit undid it and raised)
         stack = _stack()
-        if not stack or stack[-1] is not self:
+        if self not in stack:
             raise RuntimeError(
-                "torch_sac.sac_context: regions must exit in the reverse order "
-                "they were entered, on the thread that entered them"
+                "torch_sac.sac_context: exited on a thread that did not enter it, or "
+                "never entered; regions must exit on the thread that entered them"
             )
-        stack.pop()
+        out_of_order = stack[-1] is not self
+        # Whatever the order, nothing this region (and any region entered
+        # after it) installed stays installed.
+        error = None
+        while stack:
+            ctx = stack.pop()
+            ctx._torn_down = True
+            error = ctx._undo() or error
+            if ctx is self:
+                break
+        if out_of_order:
+            raise RuntimeError(
+                "torch_sac.sac_context: regions must exit in the reverse order they "
+                "were entered (a generator holding a region closed late?); the regions "
+                "entered after this one were exited with it"
+            ) from error
+        if error is not None:
+            raise error
+        return False
+
+    def _undo(self):
+        """Runs this context's exit steps, all of them; returns the first error."""
         exits, self._exits = self._exits, []
+        error = None
         for undo in reversed(exits):
-            undo()
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001 - finish undoing, then report
+                error = error or e
         if self._owner:
             for observer in list(_observers()):
                 observer._region_exited(self)
-        return False
+        return error
 
     def stats(self):
         """Counters of the (outermost) region this context recorded into.

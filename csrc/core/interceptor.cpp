@@ -5,6 +5,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -109,14 +110,22 @@ void push_key_handler(std::shared_ptr<OpHandler> handler) {
 }
 
 void pop_key_handler(const OpHandler* expected_top) {
+  auto it = std::find_if(tls_handlers.rbegin(), tls_handlers.rend(),
+                         [&](const auto& h) { return h.get() == expected_top; });
   TORCH_CHECK(
-      !tls_handlers.empty() && tls_handlers.back().get() == expected_top,
-      "torch_sac: checkpoint contexts must exit in the reverse order they were "
-      "entered, on the thread that entered them");
-  tls_handlers.pop_back();
+      it != tls_handlers.rend(),
+      "torch_sac: a checkpoint context exited on a thread that did not enter it; "
+      "contexts must exit on the thread that entered them");
+  const bool was_top = it == tls_handlers.rbegin();
+  // Removed even when out of order: nothing stays installed after an error.
+  tls_handlers.erase(std::next(it).base());
   if (tls_handlers.empty()) {
     set_intercepting(false);
   }
+  TORCH_CHECK(
+      was_top,
+      "torch_sac: checkpoint contexts must exit in the reverse order they were "
+      "entered; this one was exited while another entered after it was active");
 }
 
 size_t key_handler_depth() {

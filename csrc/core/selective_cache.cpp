@@ -263,6 +263,8 @@ void CachingHandler::handle(
     run(stack);
     return;
   }
+  TORCH_CHECK(policy_, "torch_sac: ", op_display_name(op), " ran in a forward checkpoint "
+              "context that was already exited; enter a new pair of contexts per forward.");
   const size_t num_args = op.schema().arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   // A policy that looks at the inputs sees them after the op ran (torch calls

@@ -170,6 +170,12 @@ class CachingHandler final : public OpHandler {
       torch::jit::Stack* stack,
       RunOp run,
       const void* adapter_view) override;
+  // Forward is over: the policy is never asked again. Letting go of it
+  // breaks reference cycles through Python policies (a module whose bound
+  // method is the policy and which keeps the contexts for stats()).
+  void release_policy() {
+    policy_.reset();
+  }
 
  private:
   std::shared_ptr<SelectiveCache> cache_;

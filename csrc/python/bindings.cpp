@@ -49,7 +49,10 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("caching", &SelectiveCheckpoint::caching)
       .def_readonly("cached", &SelectiveCheckpoint::cached)
       .def("begin_forward", [](SelectiveCheckpoint& self) { self.cache->begin_forward(); })
-      .def("finish_forward", [](SelectiveCheckpoint& self) { self.cache->finish_forward(); })
+      .def("finish_forward", [](SelectiveCheckpoint& self) {
+        self.cache->finish_forward();
+        self.caching->release_policy();
+      })
       .def("begin_recompute", [](SelectiveCheckpoint& self) { self.cache->begin_recompute(); })
       .def("stats", [](const SelectiveCheckpoint& self) {
         const auto& s = self.cache->stats();

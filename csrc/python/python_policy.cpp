@@ -44,7 +44,9 @@ Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
         "; torch_sac does not offload to CPU. Return MUST_SAVE and wrap the "
         "region in torch.autograd.graph.save_on_cpu() instead.");
   }
-  TORCH_CHECK_TYPE(
+  // ValueError, not TypeError: Python's binary operators turn a TypeError
+  // raised inside `x @ w` into "unsupported operand type(s)", hiding this.
+  TORCH_CHECK_VALUE(
       false,
       "torch_sac: the policy returned ", repr, " (type ",
       Py_TYPE(value)->tp_name, ") for ", op_display_name(op),

@@ -106,15 +106,17 @@ TEST_F(KeyAdapter, NestedHandlersEachSeeEveryOp) {
   EXPECT_EQ(count(inner->seen, "aten::sin"), 1u);
 }
 
-TEST_F(KeyAdapter, PopOutOfOrderRaises) {
+TEST_F(KeyAdapter, PopOutOfOrderRaisesAndStillRemovesTheHandler) {
   auto first = std::make_shared<RecordingHandler>();
   auto second = std::make_shared<RecordingHandler>();
   push_key_handler(first);
   push_key_handler(second);
   EXPECT_THROW(pop_key_handler(first.get()), c10::Error);
+  EXPECT_EQ(key_handler_depth(), 1u);
+  EXPECT_THROW(pop_key_handler(first.get()), c10::Error);  // no longer there
   pop_key_handler(second.get());
-  pop_key_handler(first.get());
   EXPECT_EQ(key_handler_depth(), 0u);
+  EXPECT_FALSE(c10::impl::tls_is_dispatch_key_included(kInterceptKey));
 }
 
 // A small MLP, forward and backward, returning the loss and the gradients.

@@ -181,15 +181,35 @@ BAD_VALUES = [None, "MUST_SAVE", 1, 2.5, BadPolicyValue()]
 
 
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=["None", "str", "int", "float", "object"])
-def test_bad_policy_return_raises_type_error(bad):
+def test_bad_policy_return_raises_value_error(bad):
     def policy(ctx, op, *args, **kwargs):
         return bad if op is aten.mm.default else P.PREFER_RECOMPUTE
 
-    with pytest.raises(TypeError) as excinfo:
+    with pytest.raises(ValueError) as excinfo:
         run_fn(small_fn, sac_ctx(policy))
     msg = str(excinfo.value)
     assert name_mentions_op(msg, "mm"), msg
     assert repr(bad) in msg, msg
+    assert_interception_still_sane()
+
+
+@pytest.mark.parametrize("engine", ["contexts", "region"])
+@pytest.mark.parametrize("expr", ["matmul", "mul"])
+def test_bad_policy_message_survives_binary_operators(engine, expr):
+    """`x @ w` and `x * 2` turn a TypeError raised inside them into
+    "unsupported operand type(s)"; the policy's message must reach the user."""
+    def policy(ctx, op, *args, **kwargs):
+        return "garbage"
+
+    def fn(x, w):
+        return (x @ w) if expr == "matmul" else (x * 2)
+
+    x, w = small_inputs()
+    with pytest.raises(ValueError, match="the policy returned 'garbage'"):
+        if engine == "contexts":
+            tc.checkpoint(fn, x, w, use_reentrant=False, context_fn=sac_ctx(policy))
+        else:
+            torch_sac.checkpoint(fn, x, w, policy=policy)
     assert_interception_still_sane()
 
 
@@ -390,7 +410,7 @@ def test_non_callable_non_list_policy_raises(arg):
     ids=["str", "python_fn", "int", "None"],
 )
 def test_list_with_non_op_raises(ops):
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="is not an op"):
         torch_sac.create_selective_checkpoint_contexts(ops)
 
 

@@ -390,12 +390,36 @@ void Region::handle(
       (run_start - record_start) + (record_end - run_end)).count();
 }
 
+namespace {
+
+// A tensor the region never drops, kept as autograd would keep it. Built
+// without the region's mutex: detaching a tensor subclass runs its
+// __torch_dispatch__, whose ops come back to Region::handle.
+SavedActivation keep(const at::Tensor& t) {
+  SavedActivation saved;
+  saved.kept = detached_alias(t);
+  saved.version = version_of(t);
+  saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
+  return saved;
+}
+
+} // namespace
+
 SavedActivation Region::pack(const at::Tensor& t) {
+  if (t.defined() && unrecordable_kind(t) != nullptr) {
+    SavedActivation saved = keep(t);
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.packed_kept;
+    return saved;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   return pack_locked(t);
 }
 
 std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {
+  if (t.defined() && unrecordable_kind(t) != nullptr) {
+    return std::nullopt;  // pack() keeps it without holding the mutex
+  }
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) {
     return std::nullopt;
@@ -413,7 +437,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
     saved.version = version_of(t);
     saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
   }
-  if (s < 0 || !storages_[s].replayable || unrecordable_kind(t) != nullptr) {
+  if (s < 0 || !storages_[s].replayable) {
     saved.kept = detached_alias(t);
     ++stats_.packed_kept;
     return saved;
