@@ -7,7 +7,7 @@ process uses.
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _C, memory, policies
+from . import _C, _compile, memory, policies
 from ._adapter import adapter
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
@@ -45,3 +45,4 @@ def _ignored_ops():
 IGNORED_OPS = _ignored_ops()
 
 _C.register_policy_enums(Policy, _torch_checkpoint.CheckpointPolicy)
+_compile.install()

@@ -38,6 +38,13 @@ class _PythonKeyMode(_C.HandlerModeBase, TorchDispatchMode):
         TorchDispatchMode.__init__(self)
         self._set_handler(handler)
 
+    @classmethod
+    def ignore_compile_internals(cls):
+        # As PyTorch's own SAC modes: torch.compile may trace and run compiled
+        # code while this mode is active; the handler stands aside while
+        # tracing (fake/proxy modes) and while compiled code runs.
+        return True
+
 
 class _HandlerMode:
     """Routes this thread's ops through a C++ handler while entered.

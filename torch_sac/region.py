@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from . import _C
+from . import _C, _compile
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 
@@ -80,6 +80,8 @@ class sac_context:
     """
 
     def __init__(self, policy, *, allow_cache_entry_mutation=False):
+        if torch.compiler.is_compiling():
+            _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
             raise TypeError(
                 "torch_sac.sac_context: allow_cache_entry_mutation must be a bool, "
@@ -111,8 +113,10 @@ class sac_context:
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
+            _compile.region_opened()
             # Undone in reverse order on exit.
             self._exits = [
+                _compile.region_closed,
                 lambda: hooks.__exit__(None, None, None),
                 lambda: mode.__exit__(None, None, None),
                 self._region.close,
@@ -216,8 +220,15 @@ def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, **kwargs):
         policy: as for :class:`sac_context` (keyword-only).
         allow_cache_entry_mutation (bool): as for :class:`sac_context`.
 
+    Under ``torch.compile`` (``fn`` is traced), this is
+    ``torch.utils.checkpoint.checkpoint`` with torch_sac's contexts: PyTorch's
+    compiled selective checkpointing with the same policy.
+
     Example:
         >>> y = torch_sac.checkpoint(block, x, policy=torch_sac.policies.recompute_all())
     """
+    if torch.compiler.is_compiling():
+        return _compile.checkpoint_when_compiling(
+            fn, args, kwargs, policy, allow_cache_entry_mutation)
     with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation):
         return fn(*args, **kwargs)

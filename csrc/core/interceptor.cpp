@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -13,6 +14,32 @@ namespace torch_sac {
 
 bool recording_disabled() {
   return !c10::GradMode::is_enabled() || c10::InferenceMode::is_enabled();
+}
+
+namespace {
+thread_local int opaque_code_depth = 0;
+} // namespace
+
+bool interception_paused() {
+  if (opaque_code_depth > 0) {
+    return true;
+  }
+  using c10::impl::TorchDispatchModeKey;
+  using c10::impl::TorchDispatchModeTLS;
+  if (!TorchDispatchModeTLS::any_modes_set()) {
+    return false;
+  }
+  return TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::FAKE).has_value() ||
+      TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::PROXY).has_value() ||
+      TorchDispatchModeTLS::get_mode(TorchDispatchModeKey::FUNCTIONAL).has_value();
+}
+
+OpaqueCodeGuard::OpaqueCodeGuard() {
+  ++opaque_code_depth;
+}
+
+OpaqueCodeGuard::~OpaqueCodeGuard() {
+  --opaque_code_depth;
 }
 
 namespace {

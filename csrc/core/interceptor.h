@@ -39,6 +39,23 @@ class OpHandler {
 // saved for backward and there is nothing to record.
 bool recording_disabled();
 
+// True while handlers must let ops through untouched even inside an active
+// region: while PyTorch traces (Dynamo's FakeTensors, AOTAutograd's proxies,
+// functionalization: the ops are not the program that runs), and while
+// opaque compiled code runs (an OpaqueCodeGuard is alive on this thread):
+// such code writes tensors without dispatcher ops, so a replay could not
+// reproduce it.
+bool interception_paused();
+
+// Marks compiled code running on this thread (see interception_paused()).
+class OpaqueCodeGuard {
+ public:
+  OpaqueCodeGuard();
+  ~OpaqueCodeGuard();
+  OpaqueCodeGuard(const OpaqueCodeGuard&) = delete;
+  OpaqueCodeGuard& operator=(const OpaqueCodeGuard&) = delete;
+};
+
 // The functionality key the key adapter claims.
 constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::Fake;
 

@@ -254,7 +254,8 @@ void CachingHandler::handle(
   // Ops under no_grad in a checkpointed function entered with grad on are
   // seen too, as by PyTorch's SAC: a custom autograd.Function's body, a
   // custom op under its autograd formula.
-  if (!cache_->records() || c10::InferenceMode::is_enabled()) {
+  if (!cache_->records() || c10::InferenceMode::is_enabled() ||
+      interception_paused()) {
     run(stack);
     return;
   }
@@ -420,7 +421,8 @@ void CachedHandler::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* /*adapter_view*/) {
-  if (!cache_->records() || c10::InferenceMode::is_enabled()) {
+  if (!cache_->records() || c10::InferenceMode::is_enabled() ||
+      interception_paused()) {
     run(stack);
     return;
   }

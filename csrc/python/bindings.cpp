@@ -152,6 +152,11 @@ PYBIND11_MODULE(_C, m) {
     return region::unpack(handle.saved);
   });
 
+  // While alive on a thread, handlers let ops through (compiled code runs).
+  py::class_<OpaqueCodeGuard>(m, "OpaqueCode")
+      .def(py::init<>());
+  m.def("interception_paused", &interception_paused);
+
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);
   m.def("install_key_adapter", &install_key_adapter);
   m.def("push_key_handler", &push_key_handler);

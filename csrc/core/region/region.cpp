@@ -29,6 +29,19 @@ c10::IValue with_current_index(const c10::IValue& v) {
   return c10::Device(device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index());
 }
 
+// Communication ops: replaying one on a single rank would hang or desync
+// the others.
+bool is_collective(const c10::OperatorHandle& op) {
+  const std::string& name = op.operator_name().name;
+  for (const char* ns : {"c10d::", "_c10d_functional::", "_c10d_functional_autograd::",
+                         "_dtensor::"}) {
+    if (name.rfind(ns, 0) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // The first tensor in `values` the region cannot record, or nullptr.
 const char* first_unrecordable(c10::ArrayRef<c10::IValue> values) {
   const char* kind = nullptr;
@@ -109,6 +122,7 @@ Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) 
     info.ignored = is_ignored_op(op.operator_name());
     info.written_args = written_args(op);
     info.draws_random = RngSnapshot::draws_random(op);
+    info.never_replay = is_collective(op);
     for (const c10::Argument& ret : op.schema().returns()) {
       const bool tensor = ret.type()->kind() == c10::TypeKind::TensorType ||
           ret.type()->isSubtypeOf(*c10::ListType::ofTensors());
@@ -233,7 +247,8 @@ void Region::handle(
   // Ops under no_grad inside a region entered with grad on are recorded too:
   // a custom autograd.Function's forward and torch.no_grad() blocks make
   // tensors that backward may save, and that a replay may need.
-  if (!records_ || c10::InferenceMode::is_enabled()) {
+  if (!records_ || c10::InferenceMode::is_enabled() ||
+      interception_paused()) {
     run(stack);
     return;
   }
@@ -255,7 +270,15 @@ void Region::handle(
   // sparse, subclasses) runs as if outside the region: its outputs are not
   // tracked, so autograd keeps them. Nothing here may throw: such ops also
   // run inside autograd's own bookkeeping, where an exception aborts.
-  const bool recordable = first_unrecordable(inputs) == nullptr;
+  // Collectives are never replayed (a replay on one rank would desync the
+  // others), and an op writing a list of tensors (`_foreach_*_`, FSDP's
+  // split copies) is not tracked write by write: both run as if outside.
+  bool writes_list = false;
+  for (size_t i : info.written_args) {
+    writes_list = writes_list || inputs[i].isTensorList() || inputs[i].isList();
+  }
+  const bool recordable =
+      !info.never_replay && !writes_list && first_unrecordable(inputs) == nullptr;
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (t.defined() && t.has_storage()) {
@@ -276,6 +299,15 @@ void Region::handle(
   std::vector<size_t> written_unreplayable;  // argument positions
   bool may_replay = recordable && info.makes_new_tensors;
   for (size_t i : info.written_args) {
+    if (inputs[i].isTensorList() || inputs[i].isList()) {
+      for_each_tensor(inputs[i], [&](const at::Tensor& t) {
+        const int32_t s = find_storage(t);
+        if (s >= 0) {
+          written_storages.push_back(s);
+        }
+      });
+      continue;
+    }
     if (!inputs[i].isTensor() || !inputs[i].toTensor().defined() ||
         !inputs[i].toTensor().has_storage()) {
       continue;

@@ -200,6 +200,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<size_t> written_args;  // schema arguments marked (a!)
     bool makes_new_tensors = false;    // some return is not an alias
     bool draws_random = false;         // RngSnapshot::draws_random
+    bool never_replay = false;         // collectives
     int64_t calls = 0;
     int64_t saved = 0;
     int64_t dropped = 0;
