@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from . import _C, _compile
+from . import _C, _compile, _fsdp
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 
@@ -114,6 +114,7 @@ class sac_context:
                 hooks.__exit__(None, None, None)
                 raise
             _compile.region_opened()
+            units = _fsdp.units_seen()
             # Undone in reverse order on exit.
             self._exits = [
                 _compile.region_closed,
@@ -121,6 +122,9 @@ class sac_context:
                 lambda: mode.__exit__(None, None, None),
                 self._region.close,
             ]
+            if units is not None:
+                region = self._region
+                self._exits.insert(0, lambda: units.close(region))
         # The policy is only asked in forward; the region lets go of it on
         # exit, and so does this object (no reference cycle through a policy
         # that is a bound method of a module keeping its region).

@@ -92,6 +92,31 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release no_gil;
         return SavedActivationHandle(self.pack(t));
       })
+      .def("set_storage_restorer", [](region::Region& self, py::object restore, py::object done) {
+        // Held by the region: released with the GIL (the region may die on
+        // a thread that does not hold it).
+        auto restore_fn = std::shared_ptr<py::object>(
+            new py::object(std::move(restore)), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+        auto done_fn = std::shared_ptr<py::object>(
+            new py::object(std::move(done)), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+        region::Region::StorageRestorer restorer;
+        restorer.restore = [restore_fn](const at::Tensor& t) {
+          py::gil_scoped_acquire gil;
+          return (*restore_fn)(t).cast<bool>();
+        };
+        restorer.done = [done_fn] {
+          py::gil_scoped_acquire gil;
+          (*done_fn)();
+        };
+        py::gil_scoped_release no_gil;
+        self.set_storage_restorer(std::move(restorer));
+      })
       .def("stats", [](const region::Region& self) {
         region::RegionStats s;
         {

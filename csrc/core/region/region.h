@@ -31,6 +31,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -144,6 +145,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   RegionStats stats() const;
   std::vector<RegionOpSummary> op_summary() const;
 
+  // Brings back the storage of a tensor kept from forward that was freed
+  // since (FSDP2 frees unsharded parameters after forward): `restore(t)`
+  // returns whether it did; `done()` runs after the replay that needed it.
+  // Called with the region's mutex held, from the thread running backward.
+  struct StorageRestorer {
+    std::function<bool(const at::Tensor&)> restore;
+    std::function<void()> done;
+  };
+  void set_storage_restorer(StorageRestorer restorer);
+
  private:
   // A tensor argument of a replayable entry.
   struct ArgSlot {
@@ -238,7 +249,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   c10::Storage materialize(int32_t storage, int32_t state);
   // A held argument must still be what the op read: same version, and its
   // storage not freed or shrunk since (FSDP2 frees unsharded parameters).
-  void check_held(const ArgSlot& slot, const Entry& consumer) const;
+  void check_held(const ArgSlot& slot, const Entry& consumer);
   torch::jit::Stack replay_entry(
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
@@ -274,6 +285,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   int64_t pass_ = 0;          // backward passes through the region, from 0
   std::map<int32_t, int32_t> live_horizons_;  // horizon -> live dropped activations
   size_t released_from_ = SIZE_MAX;  // entries from here on are released
+  StorageRestorer restorer_;
+  bool restored_in_replay_ = false;
   RegionStats stats_;
 };
 

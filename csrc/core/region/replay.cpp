@@ -84,7 +84,19 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
     ++stats_.unpacked_original;
     return saved.geometry.view_of(alive);
   }
-  const c10::Storage base = materialize(saved.storage, saved.state);
+  restored_in_replay_ = false;
+  c10::Storage base;
+  try {
+    base = materialize(saved.storage, saved.state);
+  } catch (...) {
+    if (restored_in_replay_ && restorer_.done) {
+      restorer_.done();
+    }
+    throw;
+  }
+  if (restored_in_replay_ && restorer_.done) {
+    restorer_.done();
+  }
   at::Tensor result = saved.geometry.view_of(base);
   result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
   release_memos();
@@ -254,10 +266,19 @@ void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
   record.memo.hold(t.storage(), state, StreamStamp::current_for(t));
 }
 
-void Region::check_held(const ArgSlot& slot, const Entry& consumer) const {
+void Region::set_storage_restorer(StorageRestorer restorer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  restorer_ = std::move(restorer);
+}
+
+void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
   const std::string& op = ops_[consumer.op_index].name;
   const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
   const TensorGeometry geometry = TensorGeometry::of(slot.held);
+  if (!geometry.fits(slot.held.storage()) && restorer_.restore &&
+      restorer_.restore(slot.held)) {
+    restored_in_replay_ = true;
+  }
   TORCH_CHECK(
       geometry.fits(slot.held.storage()),
       "torch_sac: replaying ", op, " in backward needs its argument '", arg, "', ",
