@@ -13,6 +13,8 @@ Three situations, each handled so that compiling is never a silent no-op:
   generated kernels write tensors without dispatcher ops, so the region must
   not record (and could not replay) what runs inside it. The region lets it
   through (``_C.OpaqueCode``) and warns once that it is not checkpointed.
+  Inside the drop-in's contexts it runs opaque too, in forward and in
+  recompute, which re-runs it whole (as PyTorch's checkpoint would).
   While Dynamo or AOTAutograd trace, the C++ handlers stand aside on their
   own (fake and proxy modes, ``interception_paused``); while Dynamo compiles
   (Inductor runs real ops too: autotuning, constant folding) they are paused
@@ -35,20 +37,33 @@ __all__ = ["checkpoint_when_compiling", "refuse_region_while_compiling", "instal
 _INDUCTOR_MODULE = "torch._inductor.output_code"
 _DYNAMO_CALLBACKS_MODULE = "torch._dynamo.callback"
 
-# Regions open on this thread (torch_sac.region keeps the count).
-_open_regions = threading.local()
+# torch_sac contexts open on this thread: regions, and all contexts
+# (regions and the drop-in's), kept by torch_sac.region and torch_sac._modes.
+_open = threading.local()
 
 
 def regions_open():
-    return getattr(_open_regions, "count", 0)
+    return getattr(_open, "regions", 0)
+
+
+def contexts_open():
+    return getattr(_open, "contexts", 0)
 
 
 def region_opened():
-    _open_regions.count = regions_open() + 1
+    _open.regions = regions_open() + 1
 
 
 def region_closed():
-    _open_regions.count = regions_open() - 1
+    _open.regions = regions_open() - 1
+
+
+def context_opened():
+    _open.contexts = contexts_open() + 1
+
+
+def context_closed():
+    _open.contexts = contexts_open() - 1
 
 
 def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation):
@@ -91,10 +106,12 @@ COMPILED_CODE_IN_REGION = (
 def _guarded_call(original):
     @functools.wraps(original)
     def __call__(self, inputs):
-        if regions_open() == 0:
+        if contexts_open() == 0:
             return original(self, inputs)
         global _warned
-        if not _warned:
+        # The drop-in re-runs compiled code whole in recompute, as PyTorch's
+        # checkpoint does: only a region loses something worth a warning.
+        if regions_open() > 0 and not _warned:
             _warned = True
             warnings.warn(COMPILED_CODE_IN_REGION, stacklevel=2)
         guard = _C.OpaqueCode()

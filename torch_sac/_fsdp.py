@@ -38,6 +38,8 @@ class _UnitsSeen:
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
 
     def _seen(self, module, args):
+        if torch.compiler.is_compiling():
+            return  # traced code: not a unit running in this region
         if isinstance(module, self._cls) and threading.get_ident() == self._thread:
             self._units.append(weakref.ref(module))
 
@@ -80,8 +82,10 @@ class _Restorer:
 
 
 def units_seen():
-    """Starts watching for FSDP2 units, or None when FSDP2 is not in use."""
+    """Starts watching for FSDP2 units, or None when FSDP2 is not in use:
+    ``fully_shard`` makes a subclass of ``FSDPModule`` per module class it
+    shards, so none means no unit exists (and no global hook is needed)."""
     module = sys.modules.get(_FULLY_SHARD_MODULE)
-    if module is None:
+    if module is None or not module.FSDPModule.__subclasses__():
         return None
     return _UnitsSeen(module.FSDPModule)
