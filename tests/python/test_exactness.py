@@ -473,3 +473,32 @@ def test_dropin_optimizer_step_inside_the_function_raises():
     with pytest.raises(RuntimeError, match="torch_sac"):
         out.sum().backward()
     nothing_installed()
+
+
+# --------------------------------------------------------------------------
+# 3 (cont.). functorch transforms inside a region
+# --------------------------------------------------------------------------
+
+def _vmapped(x, w):
+    y = torch.func.vmap(lambda t: (t @ w).sin().exp())(x)
+    g = torch.func.vmap(torch.func.vmap(lambda t: t * t))(x).cos()
+    return y * g
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("policy", ["recompute_all", "save_all"])
+def test_vmap_inside_a_checkpoint_is_exact(engine, policy):
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    assert_exact(_vmapped, [x, w], engine, getattr(torch_sac.policies, policy)(), "vmap")
+    nothing_installed()
+
+
+def test_func_grad_inside_a_region_is_refused_by_pytorch():
+    """torch.func.grad does not support saved-tensor hooks (PyTorch's own
+    checkpoint and save_on_cpu meet the same error): a clear error, and
+    nothing left installed."""
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+        torch_sac.checkpoint(lambda t: torch.func.grad(lambda u: u.sin().sum())(t), x,
+                             policy=torch_sac.policies.recompute_all())
+    nothing_installed()
