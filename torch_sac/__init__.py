@@ -9,6 +9,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C, _compile, memory, policies
 from ._adapter import adapter
+from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .profiler import profile
@@ -20,6 +21,7 @@ __all__ = [
     "IGNORED_OPS",
     "Policy",
     "adapter",
+    "apply_sac",
     "checkpoint",
     "create_selective_checkpoint_contexts",
     "memory",

@@ -141,11 +141,28 @@ def _compile_ended(args):
     _compiling.guard = None
 
 
-def _pause_while_compiling(module):
-    handler = module.callback_handler
+def _register_pause(handler):
     if _compile_started not in handler.start_callbacks:
         handler.register_start_callback(_compile_started)
         handler.register_end_callback(_compile_ended)
+
+
+def _pause_while_compiling(module):
+    handler = module.callback_handler
+    _register_pause(handler)
+    # torch._dynamo.reset() clears every compile callback: register again
+    # after it, or compiles after a reset would be recorded by a region.
+    if not getattr(handler.clear, "_torch_sac_keeps_pause", False):
+        clear = handler.clear
+
+        def clear_keeping_pause():
+            try:
+                clear()
+            finally:
+                _register_pause(handler)
+
+        clear_keeping_pause._torch_sac_keeps_pause = True
+        handler.clear = clear_keeping_pause
 
 
 _PATCHES = {

@@ -119,12 +119,12 @@ void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
   }
 }
 
-[[noreturn]] void sequence_mismatch(
-    const c10::OperatorHandle& op, size_t position, const std::string& why) {
+[[noreturn]] void recompute_mismatch(
+    const c10::OperatorHandle& op, int64_t call_index, const std::string& why) {
   TORCH_CHECK(
       false,
-      "torch_sac: recompute does not match forward: ", op_display_name(op), " ran as op #",
-      position, " of the checkpointed region in recompute, ", why, ". Recompute re-runs "
+      "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+      call_index, ") ", why, ". Recompute re-runs "
       "the checkpointed function and must run the ops forward ran: avoid control flow that "
       "depends on global state or Python randomness changed between forward and backward, "
       "and do not call backward() or an optimizer step inside the checkpointed function.");
@@ -156,7 +156,9 @@ void SelectiveCache::finish_forward() {
 
 void SelectiveCache::begin_recompute() {
   finish_forward();
-  recompute_position_ = 0;
+  for (OpRecord* record : first_seen_order_) {
+    record->recompute_calls = 0;
+  }
 }
 
 SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
@@ -274,7 +276,7 @@ void CachingHandler::handle(
   std::vector<SelectiveCache::InputSeen> seen;
   std::vector<SelectiveCache::StorageWritten> writes;
   uint32_t position = 0;
-  const int64_t sequence_position = static_cast<int64_t>(cache_->sequence_.size());
+  const int64_t sequence_position = cache_->forward_ops_;
   for (size_t i = 0; i < num_args; ++i) {
     const bool written = std::find(record.written_args.begin(), record.written_args.end(), i) !=
         record.written_args.end();
@@ -329,7 +331,7 @@ void CachingHandler::handle(
   entry.signature = signature_of(outputs);
   entry.inputs = std::move(seen);
   entry.writes = std::move(writes);
-  cache_->sequence_.push_back({&record, call_index});
+  entry.position = cache_->forward_ops_++;
   cache_->watch_aliases(outputs);
   if (is_save(decision) && cacheable_writes) {
     cache_->cache_outputs(record, entry, outputs, returns_alias(op));
@@ -349,7 +351,7 @@ void CachedHandler::check_inputs(
     int64_t call_index,
     c10::ArrayRef<c10::IValue> inputs) const {
   const SelectiveCache::Entry& entry = record.entries[call_index];
-  const size_t position = cache_->recompute_position_ - 1;
+  const int64_t position = entry.position;
   size_t k = 0;
   bool count_matches = true;
   for (const c10::IValue& v : inputs) {
@@ -370,7 +372,7 @@ void CachedHandler::check_inputs(
         // holds its value after forward's last write: right for a read at
         // or after that write, wrong for a read before it.
         TORCH_CHECK(
-            static_cast<size_t>(written->second) <= position,
+            written->second <= position,
             "torch_sac: ", op_display_name(record.op), " (call ", call_index, ") read a "
             "tensor in forward that a later op of the checkpointed region (op #",
             written->second, ") modified in place, so recompute would read the modified "
@@ -394,8 +396,8 @@ void CachedHandler::check_inputs(
     });
   }
   if (k != entry.inputs.size() || !count_matches) {
-    sequence_mismatch(record.op, position,
-                      "with a different number of tensor arguments than in forward");
+    recompute_mismatch(record.op, call_index,
+                       "ran with a different number of tensor arguments than in forward");
   }
 }
 
@@ -431,18 +433,13 @@ void CachedHandler::handle(
     run(stack);
     return;
   }
-  const size_t position = cache_->recompute_position_++;
-  const auto& sequence = cache_->sequence_;
-  if (position >= sequence.size()) {
-    sequence_mismatch(op, position, "but forward ran only " + std::to_string(sequence.size()) +
-                      " ops (it was not found in forward's record)");
+  const int64_t call_index = record.recompute_calls++;
+  if (call_index >= static_cast<int64_t>(record.entries.size())) {
+    recompute_mismatch(op, call_index, record.entries.empty()
+        ? std::string("ran in recompute but never in forward")
+        : "ran in recompute, but forward ran it only " +
+              std::to_string(record.entries.size()) + " times");
   }
-  if (sequence[position].record != &record) {
-    const auto& expected = *sequence[position].record;
-    sequence_mismatch(op, position, "where forward ran " + op_display_name(expected.op) +
-                      " (call " + std::to_string(sequence[position].call_index) + ")");
-  }
-  const int64_t call_index = sequence[position].call_index;
   SelectiveCache::Entry& entry = record.entries[call_index];
   const size_t num_args = op.schema().arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
@@ -473,9 +470,8 @@ void CachedHandler::handle(
       const size_t num_returns = op.schema().returns().size();
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
-        sequence_mismatch(op, position, "(call " + std::to_string(call_index) +
-                          ") and made outputs [" + describe_outputs(outputs) +
-                          "] whose shapes or dtypes differ from forward's");
+        recompute_mismatch(op, call_index, "made outputs [" + describe_outputs(outputs) +
+                           "] whose shapes or dtypes differ from forward's");
       }
       ++record.recomputed;
       ++stats.recomputed_ops;

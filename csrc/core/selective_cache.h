@@ -6,9 +6,10 @@
 //
 // Recompute re-runs the user's Python function, so the cache also checks
 // that it runs what forward ran, and that nothing forward read changed:
-//  * forward records the sequence of ops and each call's output shapes and
-//    dtypes; recompute must meet the same ops in the same order (it may stop
-//    early) with the same output shapes and dtypes;
+//  * forward records each (op, call index) with its output shapes and dtypes;
+//    recompute must meet only calls forward made, with the same output
+//    shapes and dtypes (it may stop early, and skip an op Python code
+//    cached, as PyTorch's SAC allows);
 //  * a tensor forward read whose storage recompute reads again must be at
 //    the version forward read (a tensor from outside the region modified
 //    between forward and backward);
@@ -94,6 +95,7 @@ class SelectiveCache {
     uint64_t signature = 0;
     std::vector<InputSeen> inputs;      // in for_each_tensor order
     std::vector<StorageWritten> writes;
+    int64_t position = 0;               // among all ops forward recorded
   };
 
   // Everything the region knows about one op overload, found with a single
@@ -105,6 +107,7 @@ class SelectiveCache {
     bool returns_written_arg = false;  // in-place and out= ops
     std::vector<Entry> entries;     // indexed by forward call index
     int64_t forward_calls = 0;      // call counter of the caching handler
+    int64_t recompute_calls = 0;    // call counter of the cached handler
     int64_t recomputed = 0;         // calls re-run during recompute
     c10::OperatorHandle op;
   };
@@ -113,7 +116,7 @@ class SelectiveCache {
   void begin_forward();
   // Forward ended: the versions cached outputs must still have at recompute.
   void finish_forward();
-  // Recompute starts (again): the op sequence is matched from the start.
+  // Recompute starts (again): call indices count from 0.
   void begin_recompute();
   bool records() const {
     return records_;
@@ -133,10 +136,6 @@ class SelectiveCache {
   friend class CachingHandler;
   friend class CachedHandler;
 
-  struct Call {
-    OpRecord* record;
-    int64_t call_index;
-  };
 
   void cache_outputs(OpRecord& record, Entry& entry, c10::ArrayRef<c10::IValue> outputs,
                      bool op_returns_alias);
@@ -146,8 +145,7 @@ class SelectiveCache {
 
   std::unordered_map<c10::OperatorHandle, OpRecord> records_by_op_;
   std::vector<OpRecord*> first_seen_order_;
-  std::vector<Call> sequence_;   // forward's calls, in order
-  size_t recompute_position_ = 0;
+  int64_t forward_ops_ = 0;  // ops recorded in forward: the next one's position
   // Cached entries by the storages their outputs live on.
   std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<OpRecord*, int64_t>>>
       cached_storages_;

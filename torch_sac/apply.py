@@ -1,0 +1,248 @@
+"""One line on a whole model: ``torch_sac.apply_sac(model, policy)``."""
+
+import collections
+import functools
+import inspect
+import sys
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tc
+
+from . import _compile
+from ._policy_conversion import as_op_policy
+from .contexts import create_selective_checkpoint_contexts
+from .region import sac_context
+
+__all__ = ["apply_sac", "SacHandle"]
+
+_ENGINES = ("region", "dropin")
+
+
+def _gradient_checkpointing_layer():
+    """Hugging Face's base class of decoder/encoder layers, if transformers
+    is already imported (it is never imported here)."""
+    module = sys.modules.get("transformers.modeling_layers")
+    return getattr(module, "GradientCheckpointingLayer", None)
+
+
+def _repeated_children(container):
+    """The children of ``container`` of its most frequent class with
+    parameters, if that class occurs at least twice (an ``nn.Sequential``
+    may hold an embedding and a head around its blocks)."""
+    by_class = collections.defaultdict(list)
+    for child in container.children():
+        if any(True for _ in child.parameters()):
+            by_class[type(child)].append(child)
+    if not by_class:
+        return []
+    blocks = max(by_class.values(), key=len)
+    return blocks if len(blocks) >= 2 else []
+
+
+def find_blocks(model):
+    """The model's repeated blocks: Hugging Face ``GradientCheckpointingLayer``s
+    if any, else the children of every ``ModuleList``/``ModuleDict``/
+    ``nn.Sequential`` of the most frequent class with parameters among its
+    children, when there are two or more (torchtitan's ``layers``
+    ModuleDict). Outermost matches win: a block inside a selected block is
+    not selected again."""
+    hf_layer = _gradient_checkpointing_layer()
+    candidates = []
+    if hf_layer is not None:
+        candidates = [m for m in model.modules() if isinstance(m, hf_layer)]
+    if not candidates:
+        for m in model.modules():
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                candidates += _repeated_children(m)
+    return _outermost(model, candidates)
+
+
+def _outermost(model, candidates):
+    chosen = set(map(id, candidates))
+    selected = []
+
+    def visit(module, inside):
+        picked = id(module) in chosen and not inside
+        if picked:
+            selected.append(module)
+        for child in module.children():
+            visit(child, inside or picked)
+
+    visit(model, False)
+    return selected
+
+
+def _select(model, modules):
+    if modules is None:
+        blocks = find_blocks(model)
+        if not blocks:
+            raise ValueError(
+                "torch_sac.apply_sac: found no repeated blocks in the model (no Hugging Face "
+                "GradientCheckpointingLayer, no ModuleList/ModuleDict/Sequential holding two or "
+                "more modules of one class); pass modules= a class, a tuple of classes or a "
+                "predicate")
+        return blocks
+    if isinstance(modules, type) or (
+            isinstance(modules, tuple) and all(isinstance(c, type) for c in modules)):
+        predicate = lambda m: isinstance(m, modules)  # noqa: E731
+    elif callable(modules):
+        predicate = modules
+    else:
+        raise TypeError(
+            "torch_sac.apply_sac: modules must be None, an nn.Module class, a tuple of "
+            f"classes or a predicate module -> bool, got {modules!r}")
+    found = [m for m in model.modules() if m is not model and predicate(m)]
+    if not found and predicate(model):
+        found = [model]
+    if not found:
+        raise ValueError(f"torch_sac.apply_sac: no module of the model matches {modules!r}")
+    return _outermost(model, found)
+
+
+def _is_per_module(policy):
+    """A callable ``module -> policy`` (one positional parameter), as opposed
+    to a policy callable ``policy(ctx, op, *args, **kwargs)``."""
+    if not callable(policy) or isinstance(policy, (list, tuple)):
+        return False
+    try:
+        params = list(inspect.signature(policy).parameters.values())
+    except (TypeError, ValueError):  # built-ins implemented in C++
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+    return len(positional) == 1 and not variadic
+
+
+class SacHandle:
+    """What :func:`apply_sac` returns: per-module statistics and ``remove()``."""
+
+    def __init__(self, names, engine):
+        self._names = names            # module -> qualified name
+        self._engine = engine
+        self._last = {}                # name -> the last region / forward context
+        self._originals = {}           # module -> (had its own forward, that forward)
+
+    @property
+    def modules(self):
+        """Qualified names of the modules this handle checkpoints, in model order."""
+        return list(self._names.values())
+
+    def stats(self):
+        """``{"per_module": {name: stats}, "total": summed stats}`` of each
+        module's last checkpointed forward (region stats for ``engine="region"``,
+        the drop-in's context stats for ``engine="dropin"``)."""
+        per_module = {name: ctx.stats() for name, ctx in self._last.items()}
+        total = collections.Counter()
+        for s in per_module.values():
+            total.update({k: v for k, v in s.items() if isinstance(v, (int, float))})
+        return {"per_module": per_module, "total": dict(total)}
+
+    def op_details(self):
+        """``{name: rows}``: each module's per-op rows of its last forward
+        (``sac_context.op_details()``; for the drop-in, ``op_summary()``)."""
+        out = {}
+        for name, ctx in self._last.items():
+            out[name] = ctx.op_details() if self._engine == "region" else ctx.op_summary()
+        return out
+
+    def remove(self):
+        """Puts every module's own ``forward`` back; statistics are dropped."""
+        for module, (had_own, forward) in self._originals.items():
+            if had_own:
+                module.forward = forward
+            else:
+                del module.forward
+        self._originals.clear()
+        self._last.clear()
+
+    def _record(self, module, ctx):
+        self._last[self._names[module]] = ctx
+
+
+def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mutation=False):
+    """Runs the forward of each selected module of ``model`` under selective
+    activation checkpointing, in place; the counterpart of PyTorch's
+    ``apply_activation_checkpointing``.
+
+    Args:
+        model (nn.Module): the model; modified in place (each selected
+            module's ``forward`` is wrapped on the instance: no new modules,
+            state-dict keys unchanged).
+        policy: as for :class:`torch_sac.sac_context` (a built-in, a list of
+            ops, a callable ``policy(ctx, op, *args, **kwargs)``), one for
+            every module; or a callable ``module -> policy`` (one positional
+            parameter), asked once per module.
+        modules: which modules: ``None`` (default) finds the model's repeated
+            blocks (Hugging Face ``GradientCheckpointingLayer``s; else the
+            children of a ``ModuleList``/``ModuleDict``/``nn.Sequential`` that
+            are all of one class, as torchtitan's ``layers``); an
+            ``nn.Module`` class or tuple of classes; or a predicate
+            ``module -> bool``. A selected module inside another one is left
+            alone.
+        engine (str): ``"region"`` (``sac_context``: backward replays in C++)
+            or ``"dropin"`` (``torch.utils.checkpoint.checkpoint`` with
+            torch_sac's contexts: backward re-runs the module's forward).
+        allow_cache_entry_mutation (bool): as for ``sac_context``.
+
+    Returns:
+        :class:`SacHandle`: ``stats()``, ``op_details()`` per module of its
+        last forward, and ``remove()``.
+
+    Example:
+        >>> handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
+        >>> loss = model(x).sum(); loss.backward()
+        >>> handle.stats()["total"]["dropped_bytes"]
+
+    Caveats:
+        * Nothing is checkpointed in eval mode or with grad disabled: the
+          module's own forward runs.
+        * Works before or after ``fully_shard`` (FSDP2 calls the wrapped
+          forward inside its hooks) and under ``torch.compile``, where each
+          module becomes PyTorch's compiled selective checkpointing with the
+          same policy (statistics are then not collected).
+        * Hugging Face models: do not also enable their own gradient
+          checkpointing on the same layers.
+    """
+    if engine not in _ENGINES:
+        raise ValueError(f"torch_sac.apply_sac: engine must be one of {_ENGINES}, got {engine!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}")
+    selected = _select(model, modules)
+    wanted = set(selected)
+    names = {m: n for n, m in model.named_modules() if m in wanted}
+    handle = SacHandle({m: names[m] for m in selected}, engine)
+    per_module = _is_per_module(policy)
+    for module in selected:
+        if "forward" in module.__dict__ and getattr(module.forward, "_torch_sac_wrapped", False):
+            raise RuntimeError(
+                f"torch_sac.apply_sac: {names[module]} is already checkpointed by torch_sac; "
+                "call remove() on the earlier handle first")
+        chosen = policy(module) if per_module else policy
+        op_policy = as_op_policy(chosen, "apply_sac")
+        had_own = "forward" in module.__dict__
+        handle._originals[module] = (had_own, module.__dict__.get("forward"))
+        original = module.forward
+        module.forward = _wrap(module, original, op_policy, engine, allow_cache_entry_mutation, handle)
+    return handle
+
+
+def _wrap(module, original, policy, engine, allow, handle):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if not module.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _compile.checkpoint_when_compiling(original, args, kwargs, policy, allow)
+        if engine == "region":
+            with sac_context(policy, allow_cache_entry_mutation=allow) as region:
+                out = original(*args, **kwargs)
+            handle._record(module, region)
+            return out
+        pair = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=allow)
+        handle._record(module, pair[0])
+        return tc.checkpoint(original, *args, use_reentrant=False,
+                             context_fn=lambda: pair, **kwargs)
+
+    forward._torch_sac_wrapped = True
+    return forward
