@@ -4,10 +4,12 @@ outputs to keep so the recompute cost avoided is as large as possible."""
 import math
 import numbers
 
+import torch
+
 from . import _C
 from ._op_profile import format_bytes, profile_region
 
-__all__ = ["budget", "BudgetPolicy", "PlanItem"]
+__all__ = ["budget", "BudgetPolicy", "ModelBudget", "PlanItem"]
 
 _COSTS = ("time", "flops")
 _SOLVERS = ("auto", "exact", "greedy")
@@ -217,7 +219,8 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
     return BudgetPolicy(profile, cost, budget_bytes, solution, fraction)
 
 
-def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="auto", repeats=3, max_states=None):
+def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="auto", repeats=3,
+           max_states=None, modules=None, **example_kwargs):
     r"""A policy that keeps as much recompute away as a memory budget allows.
 
     Runs ``fn(*example_args)`` once (a profiling forward, grad enabled) and
@@ -263,6 +266,16 @@ def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="au
             is proven optimal.
         repeats (int): replays per op for ``cost="time"`` (default 3).
         max_states (int, optional): work limit of the exact solver.
+        modules: plan for a whole model: when ``fn`` is an ``nn.Module``
+            holding repeated blocks (Hugging Face layers, a ``ModuleList``
+            or ``ModuleDict`` of blocks, or chosen by ``modules=`` as for
+            :func:`torch_sac.apply_sac`), ``fn`` is
+            called once with the example arguments and each block's real
+            arguments (positional and keyword: masks, rotary embeddings) are
+            captured; one plan is made per distinct block (class, parameter
+            shapes, argument shapes) and a :class:`ModelBudget` is returned,
+            which :func:`torch_sac.apply_sac` takes as its policy.
+        \*\*example_kwargs: keyword arguments of the call.
 
     Returns:
         A :class:`~torch_sac._budget.BudgetPolicy`: pass it to
@@ -299,6 +312,132 @@ def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="au
     _check_choice(solver, _SOLVERS, "solver", where)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
         raise ValueError(f"torch_sac.{where}: repeats must be an int >= 0, got {repeats!r}")
-    profile, _ = profile_region(fn, example_args, repeats=repeats if cost == "time" else 0,
+    if isinstance(fn, torch.nn.Module) and (modules is not None or _has_blocks(fn)):
+        return _model_budget(fn, example_args, example_kwargs, modules, cost, bytes, fraction,
+                             solver, repeats, max_states, where)
+    profile, _ = profile_region(fn, example_args, example_kwargs,
+                                repeats=repeats if cost == "time" else 0,
                                 count_flops=cost == "flops")
     return _plan(profile, cost, bytes, fraction, solver, max_states, where)
+
+
+def _has_blocks(model):
+    """A model of blocks (Hugging Face layers, a ModuleList/ModuleDict of
+    them), not a block: an ``nn.Sequential`` MLP inside a block does not
+    make it a model."""
+    from .apply import find_blocks
+
+    return bool(find_blocks(model, containers=(torch.nn.ModuleList, torch.nn.ModuleDict)))
+
+
+def _signature(module, args, kwargs):
+    """What makes two block calls plannable by one plan: the class, the
+    parameters' shapes and dtypes, and the arguments' shapes and dtypes (or
+    values, for non-tensors)."""
+    def describe(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype, v.requires_grad)
+        if isinstance(v, (tuple, list)):
+            return tuple(describe(x) for x in v)
+        return ("value", repr(v))
+
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return (type(module), params, describe(args),
+            tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
+
+
+def _detached(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone().requires_grad_(v.requires_grad)
+    if isinstance(v, tuple):
+        return tuple(_detached(x) for x in v)
+    if isinstance(v, list):
+        return [_detached(x) for x in v]
+    return v
+
+
+def _model_budget(model, args, kwargs, modules, cost, bytes_, fraction, solver, repeats,
+                  max_states, where):
+    from .apply import _select
+
+    blocks = _select(model, modules)
+    calls = {}
+
+    def capture(module, block_args, block_kwargs):
+        if module not in calls:
+            calls[module] = (_detached(block_args), _detached(block_kwargs))
+
+    handles = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in blocks]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [b for b in blocks if b not in calls]
+    if missing:
+        raise RuntimeError(
+            f"torch_sac.{where}: {len(missing)} of the model's {len(blocks)} blocks did not run "
+            "in the example call; pass example arguments that run every block")
+    plans = {}
+    by_block = {}
+    for block in blocks:
+        block_args, block_kwargs = calls[block]
+        key = _signature(block, block_args, block_kwargs)
+        if key not in plans:
+            profile, _ = profile_region(block, block_args, block_kwargs,
+                                        repeats=repeats if cost == "time" else 0,
+                                        count_flops=cost == "flops")
+            plans[key] = _plan(profile, cost, bytes_, fraction, solver, max_states, where)
+        by_block[block] = plans[key]
+    names = {m: n for n, m in model.named_modules()}
+    return ModelBudget(by_block, names)
+
+
+class ModelBudget:
+    """One budget plan per distinct block of a model: what
+    ``torch_sac.policies.budget(model, *args, fraction=...)`` returns.
+
+    Pass it to :func:`torch_sac.apply_sac` as the policy (it is a callable
+    ``module -> plan``); ``plans`` maps each block's name to its plan;
+    ``table()`` prints each distinct plan once.
+    """
+
+    def __init__(self, by_block, names):
+        self._by_block = by_block
+        self._names = names
+
+    def __call__(self, module):
+        try:
+            return self._by_block[module]
+        except KeyError:
+            raise KeyError(
+                f"torch_sac: no budget plan for {self._names.get(module, module)!r}: it was not "
+                "among the blocks planned") from None
+
+    @property
+    def plans(self):
+        return {self._names[m]: plan for m, plan in self._by_block.items()}
+
+    @property
+    def budget_bytes(self):
+        """Summed over blocks: the most the plans let the blocks keep."""
+        return sum(plan.budget_bytes for plan in self._by_block.values())
+
+    @property
+    def saved_bytes(self):
+        return sum(plan.saved_bytes for plan in self._by_block.values())
+
+    def table(self, max_rows=None):
+        groups = {}
+        for module, plan in self._by_block.items():
+            groups.setdefault(id(plan), (plan, []))[1].append(self._names[module])
+        parts = []
+        for plan, names in groups.values():
+            parts.append(f"== blocks {', '.join(names)}\n{plan.table(max_rows)}")
+        return "\n\n".join(parts)
+
+    def __repr__(self):
+        distinct = len({id(p) for p in self._by_block.values()})
+        return (f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "
+                f"saved {self.saved_bytes} of budget {self.budget_bytes} bytes)")

@@ -40,7 +40,7 @@ def _repeated_children(container):
     return blocks if len(blocks) >= 2 else []
 
 
-def find_blocks(model):
+def find_blocks(model, containers=(nn.ModuleList, nn.ModuleDict, nn.Sequential)):
     """The model's repeated blocks: Hugging Face ``GradientCheckpointingLayer``s
     if any, else the children of every ``ModuleList``/``ModuleDict``/
     ``nn.Sequential`` of the most frequent class with parameters among its
@@ -53,7 +53,7 @@ def find_blocks(model):
         candidates = [m for m in model.modules() if isinstance(m, hf_layer)]
     if not candidates:
         for m in model.modules():
-            if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            if isinstance(m, containers):
                 candidates += _repeated_children(m)
     return _outermost(model, candidates)
 

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 import torch
 
 from . import _C
-from ._budget import BudgetPolicy, budget
+from ._budget import BudgetPolicy, ModelBudget, budget
 
 __all__ = [
     "save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name",
-    "budget", "BudgetPolicy",
+    "budget", "BudgetPolicy", "ModelBudget",
 ]
 
 

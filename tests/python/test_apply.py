@@ -183,3 +183,29 @@ def test_under_torch_compile():
     for n, p in model.named_parameters():
         # Compiled kernels may round differently from eager ones.
         torch.testing.assert_close(p.grad, ref[1][n], rtol=1e-5, atol=1e-6)
+
+
+def test_budget_from_a_real_call_with_apply_sac():
+    """budget(model, *args, **kwargs) captures each block's real arguments
+    (here a keyword `scale`), plans once per distinct block, and apply_sac
+    takes the result; exact, and each block keeps at most its budget."""
+    model = make(TitanStyle)
+    plan = torch_sac.policies.budget(model, X, fraction=0.5)
+    assert isinstance(plan, torch_sac.policies.ModelBudget)
+    assert set(plan.plans) == {"layers.0", "layers.1", "layers.2"}
+    assert len({id(p) for p in plan.plans.values()}) == 1, "identical blocks share one plan"
+    assert plan.saved_bytes <= plan.budget_bytes
+    assert "== blocks layers.0, layers.1, layers.2" in plan.table()
+    ref = step(make(TitanStyle), X)
+    model = make(TitanStyle)
+    plan = torch_sac.policies.budget(model, X, fraction=0.5)
+    handle = torch_sac.apply_sac(model, plan)
+    assert_same_step(step(model, X), ref, "budget + apply_sac")
+    for name, stats in handle.stats()["per_module"].items():
+        assert stats["saved_bytes"] <= plan.plans[name].budget_bytes, (name, stats)
+
+
+def test_budget_of_a_single_block_is_unchanged():
+    block = Block()
+    policy = torch_sac.policies.budget(block, torch.randn(4, 6, 16), fraction=0.5)
+    assert isinstance(policy, torch_sac.policies.BudgetPolicy)
