@@ -111,6 +111,10 @@ class MemoryTracker:
       (negative if the block freed more than it kept);
     * :attr:`peak`: the highest allocated level during the block, above the
       level at entry (never negative);
+    * :attr:`retained`: bytes allocated during the block that are still
+      allocated (never negative; frees of memory allocated before the block,
+      e.g. a ``zero_grad()`` inside it, do not lower it). CPU only: on CUDA
+      it is ``max(delta, 0)``;
     * :attr:`start`: bytes allocated at entry.
 
     Inside the block both report the values so far; after it they are frozen.
@@ -147,6 +151,7 @@ class MemoryTracker:
         self._start = None
         self._delta = None
         self._peak = None
+        self._retained = None
 
     def __enter__(self):
         if self._window is not None:
@@ -157,7 +162,7 @@ class MemoryTracker:
         else:
             self._window = _CudaWindow(self.device.index)
         self._start = self._window.start
-        self._delta = self._peak = None
+        self._delta = self._peak = self._retained = None
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -165,7 +170,13 @@ class MemoryTracker:
         window.close()
         self._delta = window.current - window.start
         self._peak = window.peak - window.start
+        self._retained = self._retained_of(window)
         return False
+
+    @staticmethod
+    def _retained_of(window):
+        retained = getattr(window, "retained", None)
+        return retained if retained is not None else max(window.current - window.start, 0)
 
     @property
     def start(self):
@@ -180,6 +191,14 @@ class MemoryTracker:
             return self._window.current - self._window.start
         self._check_started("delta")
         return self._delta
+
+    @property
+    def retained(self):
+        """Bytes allocated during the block (so far) that are still allocated."""
+        if self._window is not None:
+            return self._retained_of(self._window)
+        self._check_started("retained")
+        return self._retained
 
     @property
     def peak(self):

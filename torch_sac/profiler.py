@@ -111,8 +111,10 @@ class profile:
       ``saved_bytes``/``dropped_bytes``: the storage bytes of those outputs.
       Dropped bytes are what the region does not hold for backward; only the
       part autograd would have saved is a saving.
-    * ``activation_bytes``: bytes allocated at the end of forward minus at
-      entry. It includes the forward's outputs still referenced (the loss,
+    * ``activation_bytes``: bytes allocated during forward that are still
+      allocated at its end (on CUDA: allocated at the end of forward minus at
+      entry, at least 0). Memory freed in the block that was allocated before
+      it (a ``zero_grad()``, an optimizer step) does not lower it. It includes the forward's outputs still referenced (the loss,
       and backward's gradient seed when the boundary is detected).
       ``peak_bytes``: the highest level during the block, above the level at
       entry.
@@ -413,7 +415,7 @@ class profile:
         forward_ns = (self._t_forward_end - self._t0) if fwd_end else step_ns
         totals.update({
             "regions": len(regions),
-            "activation_bytes": self._fwd.delta if fwd_end else None,
+            "activation_bytes": self._fwd.retained if fwd_end else None,
             "peak_bytes": self._whole.peak,
             "forward_peak_bytes": self._fwd.peak,
             "backward_peak_bytes": (
@@ -722,8 +724,8 @@ def _format_table(data, max_rows, sort_by):
         if notes:
             lines.append("(" + "; ".join(notes) + ")")
     lines.append(
-        f"memory:  activations {format_bytes(t['activation_bytes'])} (live at end of forward "
-        f"minus at entry{'' if t['activation_bytes'] is not None else ': forward end unknown, call end_forward()'}), "
+        f"memory:  activations {format_bytes(t['activation_bytes'])} (allocated in forward, "
+        f"still live at its end{'' if t['activation_bytes'] is not None else ': forward end unknown, call end_forward()'}), "
         f"peak {format_bytes(t['peak_bytes'])} (forward {format_bytes(t['forward_peak_bytes'])}, "
         f"backward {format_bytes(t['backward_peak_bytes'])}), left at exit {format_bytes(t['end_bytes'])}"
     )

@@ -51,8 +51,8 @@
 namespace torch_sac {
 
 struct CountingAllocatorAccess {
-  static void on_free(CountingAllocator& allocator, size_t nbytes) {
-    allocator.on_free(nbytes);
+  static void on_free(CountingAllocator& allocator, size_t nbytes, uint64_t serial) {
+    allocator.on_free(nbytes, serial);
   }
 };
 
@@ -62,6 +62,7 @@ struct LiveBlock {
   CountingAllocator* owner = nullptr;
   size_t nbytes = 0;
   c10::DeleterFnPtr deleter = nullptr; // the wrapped allocator's
+  uint64_t serial = 0;
 };
 
 class LiveBlockTable {
@@ -126,7 +127,7 @@ void delete_counted(void* ptr) {
   }
   LiveBlock block;
   if (live_blocks().take(ptr, &block)) {
-    CountingAllocatorAccess::on_free(*block.owner, block.nbytes);
+    CountingAllocatorAccess::on_free(*block.owner, block.nbytes, block.serial);
     block.deleter(ptr);
     return;
   }
@@ -145,11 +146,12 @@ struct WrappedContext {
   CountingAllocator* owner;
   size_t nbytes;
   c10::DataPtr inner;
+  uint64_t serial;
 };
 
 void delete_wrapped(void* ctx) {
   auto* wrapped = static_cast<WrappedContext*>(ctx);
-  CountingAllocatorAccess::on_free(*wrapped->owner, wrapped->nbytes);
+  CountingAllocatorAccess::on_free(*wrapped->owner, wrapped->nbytes, wrapped->serial);
   delete wrapped; // frees `inner` through the wrapped allocator's deleter
 }
 
@@ -186,18 +188,19 @@ c10::DataPtr CountingAllocator::allocate(size_t nbytes) {
     return c10::DataPtr(nullptr, nullptr, &delete_counted, device);
   }
   if (data == inner.get_context()) {
-    // Insert first: if it throws, `inner` still frees the memory.
-    if (auto stale = live_blocks().insert(
-            data, LiveBlock{this, nbytes, inner.get_deleter()})) {
-      CountingAllocatorAccess::on_free(*stale->owner, stale->nbytes);
+    // Insert first: if it throws, `inner` still frees the memory. The serial
+    // is set before anyone can free the block (it is ours until returned).
+    LiveBlock block{this, nbytes, inner.get_deleter()};
+    block.serial = on_alloc(nbytes);
+    if (auto stale = live_blocks().insert(data, block)) {
+      CountingAllocatorAccess::on_free(*stale->owner, stale->nbytes, stale->serial);
     }
     inner.release_context();
-    on_alloc(nbytes);
     return c10::DataPtr(data, data, &delete_counted, device);
   }
   auto ctx = std::make_unique<WrappedContext>(
-      WrappedContext{this, nbytes, std::move(inner)});
-  on_alloc(nbytes);
+      WrappedContext{this, nbytes, std::move(inner), 0});
+  ctx->serial = on_alloc(nbytes);
   return c10::DataPtr(data, ctx.release(), &delete_wrapped, device);
 }
 
@@ -230,19 +233,31 @@ void CountingAllocator::reset_peak() {
   peak_.store(allocated_.load());
 }
 
-void CountingAllocator::on_alloc(size_t nbytes) {
-  allocs_.fetch_add(1);
+uint64_t CountingAllocator::on_alloc(size_t nbytes) {
+  const auto serial = static_cast<uint64_t>(allocs_.fetch_add(1));
   const auto n = static_cast<int64_t>(nbytes);
   const int64_t now = allocated_.fetch_add(n) + n;
   raise_to(peak_, now);
   for (uint64_t open = open_windows_.load(); open != 0; open &= open - 1) {
-    raise_to(window_peaks_[std::countr_zero(open)], now);
+    const int slot = std::countr_zero(open);
+    raise_to(window_peaks_[slot], now);
+    if (serial >= window_first_serial_[slot].load()) {
+      window_retained_[slot].fetch_add(n);
+    }
   }
+  return serial;
 }
 
-void CountingAllocator::on_free(size_t nbytes) {
+void CountingAllocator::on_free(size_t nbytes, uint64_t serial) {
   frees_.fetch_add(1);
-  allocated_.fetch_sub(static_cast<int64_t>(nbytes));
+  const auto n = static_cast<int64_t>(nbytes);
+  allocated_.fetch_sub(n);
+  for (uint64_t open = open_windows_.load(); open != 0; open &= open - 1) {
+    const int slot = std::countr_zero(open);
+    if (serial >= window_first_serial_[slot].load()) {
+      window_retained_[slot].fetch_sub(n);
+    }
+  }
 }
 
 int CountingAllocator::open_window(int64_t* start) {
@@ -260,6 +275,8 @@ int CountingAllocator::open_window(int64_t* start) {
   *start = allocated_.load();
   window_peaks_[slot].store(*start);
   raise_to(window_peaks_[slot], allocated_.load());
+  window_retained_[slot].store(0);
+  window_first_serial_[slot].store(static_cast<uint64_t>(allocs_.load()));
   return slot;
 }
 
@@ -267,7 +284,14 @@ int64_t CountingAllocator::window_peak(int slot) const {
   return window_peaks_[slot].load();
 }
 
+int64_t CountingAllocator::window_retained(int slot) const {
+  return window_retained_[slot].load();
+}
+
 void CountingAllocator::close_window(int slot) {
+  // Until the next owner sets it: allocations racing with that opening are
+  // not counted.
+  window_first_serial_[slot].store(~uint64_t{0});
   open_windows_.fetch_and(~(uint64_t{1} << slot));
 }
 
@@ -324,6 +348,10 @@ int64_t PeakWindow::peak() const {
   return std::max(start_, allocator_.window_peak(slot_));
 }
 
+int64_t PeakWindow::retained() const {
+  return slot_ < 0 ? closed_retained_ : allocator_.window_retained(slot_);
+}
+
 int64_t PeakWindow::current() const {
   return slot_ < 0 ? closed_current_ : allocator_.allocated_.load();
 }
@@ -334,6 +362,7 @@ void PeakWindow::close() {
   }
   closed_current_ = allocator_.allocated_.load();
   closed_peak_ = std::max(peak(), closed_current_);
+  closed_retained_ = allocator_.window_retained(slot_);
   allocator_.close_window(slot_);
   slot_ = -1;
 }

@@ -53,11 +53,14 @@ class CountingAllocator final : public c10::Allocator {
   friend class PeakWindow;
   friend struct CountingAllocatorAccess;
 
-  void on_alloc(size_t nbytes);
-  void on_free(size_t nbytes);
+  // on_alloc returns the allocation's serial number, which on_free gets back:
+  // a window counts as retained only allocations made while it was open.
+  uint64_t on_alloc(size_t nbytes);
+  void on_free(size_t nbytes, uint64_t serial);
   // Claims a free slot and starts it at the live bytes, returned in *start.
   int open_window(int64_t* start);
   int64_t window_peak(int slot) const;
+  int64_t window_retained(int slot) const;
   void close_window(int slot);
 
   c10::Allocator* const wrapped_;
@@ -68,6 +71,10 @@ class CountingAllocator final : public c10::Allocator {
   // Bit i set: window slot i is open and window_peaks_[i] is kept up to date.
   std::atomic<uint64_t> open_windows_{0};
   std::array<std::atomic<int64_t>, kMaxWindows> window_peaks_{};
+  // Per window: the first allocation serial it counts, and the bytes of the
+  // allocations from that one on that are still live.
+  std::array<std::atomic<uint64_t>, kMaxWindows> window_first_serial_{};
+  std::array<std::atomic<int64_t>, kMaxWindows> window_retained_{};
 };
 
 // Installs a CountingAllocator wrapping c10::GetCPUAllocator() with
@@ -119,6 +126,10 @@ class PeakWindow {
   int64_t peak() const;
   // Live bytes now, or when the window was closed.
   int64_t current() const;
+  // Bytes allocated since the window opened that are still live (now, or
+  // at close()): unlike current() - start(), never negative and blind to
+  // frees of memory allocated before (a zero_grad() inside the window).
+  int64_t retained() const;
   bool is_open() const {
     return slot_ >= 0;
   }
@@ -131,6 +142,7 @@ class PeakWindow {
   int slot_ = -1;
   int64_t closed_peak_ = 0;
   int64_t closed_current_ = 0;
+  int64_t closed_retained_ = 0;
 };
 
 } // namespace torch_sac

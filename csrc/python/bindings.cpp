@@ -224,6 +224,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("start", &PeakWindow::start)
       .def_property_readonly("peak", &PeakWindow::peak)
       .def_property_readonly("current", &PeakWindow::current)
+      .def_property_readonly("retained", &PeakWindow::retained)
       .def_property_readonly("is_open", &PeakWindow::is_open)
       .def("close", &PeakWindow::close);
   // ---- end memory measurement -------------------------------------------

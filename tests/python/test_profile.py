@@ -456,3 +456,40 @@ def test_cuda_path_with_a_fake_device(monkeypatch):
     assert t["end_bytes"] == 0
     assert t["regions"] == 1 and t["replayed_ops"] >= 1
     assert 4096 in prof.to_dict()["timeline"]["bytes"]
+
+
+def _zero_grad_step(zero_grad_inside, set_to_none):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    x = torch.randn(32, 256)
+    model(x).sum().backward()  # gradients exist, as after a previous step
+    if not zero_grad_inside:
+        model.zero_grad(set_to_none=set_to_none)
+    with torch_sac.profile() as prof:
+        if zero_grad_inside:
+            model.zero_grad(set_to_none=set_to_none)
+        with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
+            y = model(x)
+        y.square().mean().backward()
+    return prof.totals["activation_bytes"]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_activation_memory_ignores_zero_grad_inside_the_block(set_to_none):
+    """Freeing gradients allocated before the block (zero_grad inside it) does
+    not lower activation memory; it is never negative."""
+    inside = _zero_grad_step(True, set_to_none)
+    outside = _zero_grad_step(False, set_to_none)
+    assert inside == outside and inside > 0, (inside, outside)
+
+
+def test_retained_counts_only_allocations_made_in_the_block():
+    torch_sac.memory.install_counting_allocator()
+    before = torch.empty(1 << 20, dtype=torch.uint8)
+    with torch_sac.memory.track() as m:
+        kept = torch.empty(4096, dtype=torch.uint8)
+        temp = torch.empty(8192, dtype=torch.uint8)
+        del before, temp
+    assert m.retained == 4096, m.retained
+    assert m.delta == 4096 - (1 << 20)
+    del kept
