@@ -40,6 +40,7 @@ __all__ = [
     "build_lstm_loop",
     "build_custom_fn",
     "REGION_MODEL_BUILDERS",
+    "SizesDispatchingTensor",
 ]
 
 _PARAM_SEED = 1234
@@ -271,3 +272,26 @@ REGION_MODEL_BUILDERS = {
     "lstm_loop": build_lstm_loop,
     "custom_fn": build_custom_fn,
 }
+
+
+class SizesDispatchingTensor(torch.Tensor):
+    """A wrapper subclass with ``__torch_dispatch__`` whose sizes are
+    dispatched (``"sizes"`` policy), so metadata ops such as
+    ``aten.sym_size`` reach ``__torch_dispatch__`` too."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, inner.size(), inner.stride(), None, None, inner.dtype, inner.layout,
+            inner.device, False, inner.requires_grad, "sizes")
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        from torch.utils._pytree import tree_map_only
+
+        unwrapped = tree_map_only(cls, lambda t: t.inner, args)
+        return tree_map_only(torch.Tensor, cls, func(*unwrapped, **(kwargs or {})))
+

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torch_sac
 from conftest import assert_tensors_equal
+from models import SizesDispatchingTensor
 
 aten = torch.ops.aten
 ENGINES = ["region", "contexts"]
@@ -376,26 +377,6 @@ def test_meta_tensors_run(engine):
     nothing_installed()
 
 
-class Wrapper(torch.Tensor):
-    """A wrapper subclass with __torch_dispatch__ (sizes dispatched)."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), inner.stride(), None, None, inner.dtype, inner.layout,
-            inner.device, False, inner.requires_grad, "sizes")
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        from torch.utils._pytree import tree_map_only
-        unwrapped = tree_map_only(cls, lambda t: t.inner, args)
-        out = func(*unwrapped, **(kwargs or {}))
-        return tree_map_only(torch.Tensor, cls, out)
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_tensor_subclass_in_a_region_is_exact(engine):
     """It once deadlocked: detaching the subclass re-entered the region."""
@@ -405,7 +386,7 @@ def test_tensor_subclass_in_a_region_is_exact(engine):
     x = torch.randn(4, 3)
     ref_in = x.clone().requires_grad_()
     fn(ref_in).sum().backward()
-    w = Wrapper(x.clone()).requires_grad_()
+    w = SizesDispatchingTensor(x.clone()).requires_grad_()
     policy = torch_sac.policies.recompute_all()
     if engine == "region":
         out = torch_sac.checkpoint(fn, w, policy=policy)

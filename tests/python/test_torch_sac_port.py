@@ -33,6 +33,7 @@ import functools
 import gc
 import subprocess
 import sys
+import os
 import textwrap
 
 import pytest
@@ -45,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torch_sac
 from conftest import REPO_ROOT, assert_tensors_equal, aten
+from models import SizesDispatchingTensor
 
 ENGINES = ["torch", "contexts", "region"]
 CKPT_ENGINES = ["torch", "contexts"]  # engines built on torch.utils.checkpoint
@@ -244,26 +246,6 @@ def test_output_already_has_autograd_meta(engine):
 # test_subclass_dispatching_sizes
 # ==========================================================================
 
-class SizesDispatchingTensor(torch.Tensor):
-    """A wrapper subclass whose sizes are dispatched (``"sizes"`` policy),
-    so metadata ops such as ``aten.sym_size`` reach ``__torch_dispatch__``."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), inner.stride(), None, None, inner.dtype, inner.layout,
-            inner.device, False, inner.requires_grad, "sizes")
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        unwrapped = torch.utils._pytree.tree_map_only(cls, lambda t: t.inner, args)
-        result = func(*unwrapped, **(kwargs or {}))
-        return torch.utils._pytree.tree_map_only(torch.Tensor, cls, result)
-
-
 @pytest.mark.parametrize("engine", CKPT_ENGINES)
 def test_subclass_dispatching_sizes(engine):
     """Port of ``test_subclass_dispatching_sizes``: a policy that asks to
@@ -292,23 +274,10 @@ def test_subclass_dispatching_sizes(engine):
 
 _SUBCLASS_REGION_SCRIPT = textwrap.dedent(
     """
+    import sys
     import torch, torch_sac
-
-    class SizesDispatchingTensor(torch.Tensor):
-        @staticmethod
-        def __new__(cls, inner):
-            return torch.Tensor._make_wrapper_subclass(
-                cls, inner.size(), inner.stride(), None, None, inner.dtype, inner.layout,
-                inner.device, False, inner.requires_grad, "sizes")
-
-        def __init__(self, inner):
-            self.inner = inner
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args, kwargs=None):
-            unwrapped = torch.utils._pytree.tree_map_only(cls, lambda t: t.inner, args)
-            result = func(*unwrapped, **(kwargs or {}))
-            return torch.utils._pytree.tree_map_only(torch.Tensor, cls, result)
+    sys.path.insert(0, {tests_dir!r})
+    from models import SizesDispatchingTensor
 
     fn = lambda t: (t * t.sum()).view(-1).exp()
     x = torch.randn(4, 3)
@@ -322,7 +291,7 @@ _SUBCLASS_REGION_SCRIPT = textwrap.dedent(
     torch_sac.checkpoint(torch.sin, y, policy=torch_sac.policies.recompute_all()).sum().backward()
     print("AFTER_OK", torch.equal(y.grad, y.detach().cos()))
     """
-)
+).format(tests_dir=os.path.join(REPO_ROOT, "tests", "python"))
 
 
 def test_subclass_in_region_is_exact():
