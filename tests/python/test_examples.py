@@ -1,0 +1,16 @@
+"""The examples under examples/ run and check their own gradients."""
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+
+
+def test_hf_llama_finetune_example():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "hf_llama_finetune.py")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("gradients bitwise equal to no checkpointing") == 3, proc.stdout
