@@ -83,10 +83,13 @@ bool installed = false;
 
 void install_region_autograd_hooks() {
   std::lock_guard<std::mutex> lock(install_mutex);
-  if (installed) {
+  Engine& current = Engine::get_default_engine();
+  if (installed && &current == &RegionAwareEngine::get()) {
     return;
   }
-  Engine& current = Engine::get_default_engine();
+  // Also when installed but replaced since (libtorch_python initialised after
+  // this library loaded): regions would record, but autograd would never ask
+  // for their hooks.
   TORCH_CHECK(
       &current == &Engine::get_base_engine(),
       "torch_sac: the C++ API (torch_sac::SacContext) needs autograd's base engine as the "

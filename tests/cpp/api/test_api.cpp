@@ -223,6 +223,21 @@ TEST_F(CppApi, LambdaPolicyDirectlyAndCheckpointFunction) {
   EXPECT_FALSE(in_sac_context());
 }
 
+TEST_F(CppApi, LambdasAreAcceptedWhereverAPolicyIs) {
+  const auto expected = reference();
+  auto save_mm = [](const OpCall& call) {
+    return call.op.operator_name().name == "aten::mm" ? Policy::MustSave : Policy::PreferRecompute;
+  };
+  RegionHandle handle;
+  const auto got = gradients(params, [&](const at::Tensor& x) {
+    SacContext region(save_mm);
+    handle = region.handle();
+    return torch_sac::checkpoint([&](const at::Tensor& in) { return block(params, in); }, x, save_mm);
+  });
+  expect_bitwise_equal(got, expected);
+  EXPECT_EQ(count_op(handle.op_details(), "aten::mm.default", &RegionOpSummary::saved), 2);
+}
+
 TEST_F(CppApi, CheckpointTakesAListOfInputs) {
   const auto expected = reference();
   const auto got = gradients(params, [&](const at::Tensor& x) {

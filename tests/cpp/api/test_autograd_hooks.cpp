@@ -42,5 +42,32 @@ TEST(AutogradHooks, NoHooksOutsideARegion) {
   EXPECT_EQ(torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks(), nullptr);
 }
 
+// Another engine as the default (PythonEngine in a Python process): a region
+// could not reach autograd, so entering one raises, and nothing is installed.
+struct ForeignEngine : torch::autograd::Engine {
+  static Engine& get() {
+    static ForeignEngine* engine = new ForeignEngine();
+    return *engine;
+  }
+};
+
+torch::autograd::Engine* engine_before_test = nullptr;
+
+TEST(AutogradHooks, RefusesWhenAnotherEngineIsTheDefault) {
+  engine_before_test = &torch::autograd::Engine::get_default_engine();
+  torch::autograd::set_default_engine_stub(&ForeignEngine::get);
+  try {
+    SacContext region(policies::recompute_all());
+    ADD_FAILURE() << "entered a region with a foreign default engine";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("PythonEngine"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(in_sac_context());
+  EXPECT_FALSE(api::region_autograd_hooks_installed());
+  torch::autograd::set_default_engine_stub(
+      []() -> torch::autograd::Engine& { return *engine_before_test; });
+  EXPECT_TRUE(api::region_autograd_hooks_installed());
+}
+
 } // namespace
 } // namespace torch_sac
