@@ -34,6 +34,8 @@ class CMakeBuild(build_ext):
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DTORCH_SAC_EXTENSION_OUTPUT={output}",
             f"-DTORCH_SAC_BUILD_TESTS={build_tests}",
+            # Explicit: a build tree configured C++-only before keeps its cache.
+            "-DTORCH_SAC_BUILD_PYTHON=ON",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         subprocess.check_call(configure)
