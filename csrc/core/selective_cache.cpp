@@ -167,6 +167,13 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
     OpRecord& record = it->second;
     record.ignored = is_ignored_op(op.operator_name());
     record.written_args = written_args(op);
+    record.draws_random = op.hasTag(at::Tag::nondeterministic_seeded);
+    const auto& args = op.schema().arguments();
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (args[i].name() == "dropout_p") {
+        record.dropout_p_arg = i;
+      }
+    }
     for (const c10::Argument& ret : op.schema().returns()) {
       record.returns_written_arg =
           record.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
@@ -333,7 +340,10 @@ void CachingHandler::handle(
   entry.writes = std::move(writes);
   entry.position = cache_->forward_ops_++;
   cache_->watch_aliases(outputs);
-  if (is_save(decision) && cacheable_writes) {
+  const bool draws_now = record.draws_random &&
+      !(record.dropout_p_arg && inputs[*record.dropout_p_arg].isDouble() &&
+        inputs[*record.dropout_p_arg].toDouble() == 0.0);
+  if (is_save(decision) && cacheable_writes && !draws_now) {
     cache_->cache_outputs(record, entry, outputs, returns_alias(op));
   }
 }

@@ -19,7 +19,11 @@
 //    alias forward saw raises at the cache hit;
 //  * an op that wrote in forward to a storage recompute meets again (BatchNorm
 //    running statistics, a parameter, a `.grad`) writes to a copy in
-//    recompute: forward's update happens exactly once.
+//    recompute: forward's update happens exactly once;
+//  * random ops are always recomputed: recompute restores the RNG state
+//    forward started from, so a random op served from the cache would not
+//    draw and every random op after it would draw different numbers (an
+//    attention kernel called with dropout_p=0 draws nothing and may be cached).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -105,6 +109,8 @@ class SelectiveCache {
     bool ignored = false;           // in the ignored set: never cached
     std::vector<size_t> written_args;
     bool returns_written_arg = false;  // in-place and out= ops
+    bool draws_random = false;         // nondeterministic_seeded: never cached...
+    std::optional<size_t> dropout_p_arg;  // ...unless its `dropout_p` is 0 (SDPA)
     std::vector<Entry> entries;     // indexed by forward call index
     int64_t forward_calls = 0;      // call counter of the caching handler
     int64_t recompute_calls = 0;    // call counter of the cached handler

@@ -483,3 +483,41 @@ def test_func_grad_inside_a_region_is_refused_by_pytorch():
         torch_sac.checkpoint(lambda t: torch.func.grad(lambda u: u.sin().sum())(t), x,
                              policy=torch_sac.policies.recompute_all())
     nothing_installed()
+
+
+# --------------------------------------------------------------------------
+# Found by the fuzzer (tests/python/test_fuzz.py)
+# --------------------------------------------------------------------------
+
+def _random_then_dropout(x):
+    noise = torch.rand_like(x)                    # saved by save_all: must not be cached
+    return F.dropout(x * noise, 0.25, training=True)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_random_ops_are_recomputed_so_later_masks_match(engine):
+    """Recompute restores forward's RNG state; a random op served from the
+    cache would not draw, and the dropout after it would draw another mask."""
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    assert_exact(_random_then_dropout, [x], engine, torch_sac.policies.save_all(), "rand+dropout")
+
+
+def _read_then_write_outside(a, x):
+    b = a + x        # dropped: its replay reads `a`...
+    a.add_(1.0)      # ...which a recorded in-place op then overwrites
+    return torch.sin(b)
+
+
+def test_region_replays_a_read_of_an_outside_tensor_written_later_in_the_region():
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(4, 4, dtype=torch.float64)
+    ref_a, our_a = a.clone(), a.clone()
+    xr = x.detach().clone().requires_grad_()
+    _read_then_write_outside(ref_a, xr).sum().backward()
+    xo = x.detach().clone().requires_grad_()
+    out = torch_sac.checkpoint(_read_then_write_outside, our_a, xo,
+                               policy=torch_sac.policies.recompute_all())
+    out.sum().backward()
+    assert_tensors_equal(xo.grad, xr.grad, "x.grad")
+    assert_tensors_equal(our_a, ref_a, "a written once")
+    nothing_installed()

@@ -1,6 +1,7 @@
 #include "region.h"
 
 
+#include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -99,6 +100,7 @@ void Region::release_unneeded_entries() {
     storages_.clear();
     storages_.shrink_to_fit();
     storage_index_.clear();
+    held_slots_.clear();
     memoised_.clear();
     released_from_ = 0;
     return;
@@ -205,6 +207,10 @@ void Region::record_args(
     } else {
       slot.held = detached_alias(t);
       slot.version = version_of(t);
+      if (t.has_storage()) {
+        held_slots_[t.storage().unsafeGetStorageImpl()].emplace_back(
+            static_cast<int32_t>(entries_.size()), static_cast<int32_t>(entry.slots.size()));
+      }
     }
     entry.slots.push_back(std::move(slot));
     return at::Tensor();
@@ -237,6 +243,38 @@ void Region::record_args(
       entry.args.push_back(v);
     }
   }
+}
+
+void Region::preserve_held_before_write(const at::Tensor& t) {
+  auto it = held_slots_.find(t.storage().unsafeGetStorageImpl());
+  if (it == held_slots_.end()) {
+    return;
+  }
+  // Plain autograd never needs the old value (it would have saved it, and
+  // then fail its version check): only a replay of an earlier reader does.
+  at::Tensor copy;
+  for (const auto& [e, k] : it->second) {
+    if (static_cast<size_t>(e) >= entries_.size() ||
+        static_cast<size_t>(k) >= entries_[e].slots.size()) {
+      continue;  // released
+    }
+    ArgSlot& slot = entries_[e].slots[k];
+    if (!slot.held.defined() || !slot.held.storage().is_alias_of(t.storage()) ||
+        version_of(slot.held) != slot.version) {
+      continue;
+    }
+    if (!copy.defined()) {
+      const ReplayGuard plain_copy;
+      const auto nbytes = static_cast<int64_t>(t.storage().nbytes());
+      copy = at::empty({0}, t.options().dtype(at::kByte))
+                 .set_(t.storage(), 0, {nbytes}, {1})
+                 .clone();
+      stats_.held_bytes += nbytes;
+    }
+    slot.held = TensorGeometry::of(slot.held).view_of(copy.storage());
+    slot.version = version_of(slot.held);
+  }
+  held_slots_.erase(it);
 }
 
 void Region::handle(
@@ -325,6 +363,11 @@ void Region::handle(
     const ReplayGuard plain_copy;  // no graph, no modes: the region's own copy
     for (size_t i : written_unreplayable) {
       overwritten[i] = inputs[i].toTensor().clone();
+    }
+  }
+  if (!held_slots_.empty()) {
+    for (size_t i : written_unreplayable) {
+      preserve_held_before_write(inputs[i].toTensor());
     }
   }
   std::optional<RngSnapshot> rng =

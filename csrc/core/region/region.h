@@ -232,6 +232,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void observe(int32_t storage, const at::Tensor& t);
   void record_args(Entry& entry, c10::ArrayRef<c10::IValue> inputs,
                    const std::vector<c10::IValue>& overwritten);
+  // `t` is about to be written by a recorded op: held arguments of earlier
+  // entries that read its storage get a copy of the value they read.
+  void preserve_held_before_write(const at::Tensor& t);
 
   // Replay (replay.cpp); called with mutex_ held.
   //
@@ -278,6 +281,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::vector<Entry> entries_;
   std::vector<StorageRecord> storages_;
   std::unordered_map<const c10::StorageImpl*, int32_t> storage_index_;
+  // Held arguments by the storage they hold: (entry, slot). The held alias
+  // keeps the storage alive, so the address is not reused while listed.
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int32_t, int32_t>>>
+      held_slots_;
   std::vector<OpInfo> ops_;
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
   std::vector<int32_t> memoised_;
