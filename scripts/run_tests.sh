@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
-ctest --test-dir build/cmake --output-on-failure
+ctest --test-dir build/cmake --output-on-failure -j2
 # The C++ API as a user gets it: installed, then consumed by a separate project.
 bash scripts/test_cpp_example.sh
 TORCH_SAC_ADAPTER=key python -m pytest tests/python -q
