@@ -277,17 +277,25 @@ void CachingHandler::handle(
               "context that was already exited; enter a new pair of contexts per forward.");
   const size_t num_args = op.schema().arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - num_args, num_args);
   // A policy that looks at the inputs sees them after the op ran (torch calls
   // it with op_output), so keep them; in-place ops return their input anyway.
-  const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  std::vector<c10::IValue> inputs;
+  if (policy_->needs_values()) {
+    inputs.assign(args.begin(), args.end());
+  }
+  const bool draws_now = record.draws_random &&
+      !(record.dropout_p_arg && args[*record.dropout_p_arg].isDouble() &&
+        args[*record.dropout_p_arg].toDouble() == 0.0);
   std::vector<SelectiveCache::InputSeen> seen;
+  seen.reserve(num_args);
   std::vector<SelectiveCache::StorageWritten> writes;
   uint32_t position = 0;
   const int64_t sequence_position = cache_->forward_ops_;
   for (size_t i = 0; i < num_args; ++i) {
     const bool written = std::find(record.written_args.begin(), record.written_args.end(), i) !=
         record.written_args.end();
-    for_each_tensor(inputs[i], [&](const at::Tensor& t) {
+    for_each_tensor(args[i], [&](const at::Tensor& t) {
       SelectiveCache::InputSeen input;
       if (const c10::StorageImpl* s = storage_of(t)) {
         input.storage.emplace(t.storage().getWeakStorageImpl());
@@ -340,9 +348,6 @@ void CachingHandler::handle(
   entry.writes = std::move(writes);
   entry.position = cache_->forward_ops_++;
   cache_->watch_aliases(outputs);
-  const bool draws_now = record.draws_random &&
-      !(record.dropout_p_arg && inputs[*record.dropout_p_arg].isDouble() &&
-        inputs[*record.dropout_p_arg].toDouble() == 0.0);
   if (is_save(decision) && cacheable_writes && !draws_now) {
     cache_->cache_outputs(record, entry, outputs, returns_alias(op));
   }
