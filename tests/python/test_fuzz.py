@@ -88,6 +88,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_sac
+from models import ScaledTanhFn as ScaledTanh
 
 P = torch_sac.Policy
 
@@ -118,22 +119,6 @@ POLICY_KINDS = ("bits", "recompute_all", "save_all", "save_matmuls")
 # --------------------------------------------------------------------------
 # Programs
 # --------------------------------------------------------------------------
-
-
-class ScaledTanh(torch.autograd.Function):
-    """tanh(x * w) with a hand-written backward using saved input, weight and output."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        y = torch.tanh(x * w)
-        ctx.save_for_backward(x, w, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w, y = ctx.saved_tensors
-        d = gy * (1 - y * y)
-        return (d * w).sum_to_size(x.shape), (d * x).sum_to_size(w.shape)
 
 
 INPUT_SHAPES = [(4, 4), (3, 4), (4, 3), (2, 3, 4), (2, 4, 4), (2, 4, 3), (4,)]
@@ -265,7 +250,7 @@ class Program:
 
     def setup(self):
         lines = ["import torch, torch.nn.functional as F",
-                 "from test_fuzz import ScaledTanh  # tests/python on sys.path",
+                 "from models import ScaledTanhFn as ScaledTanh  # tests/python on sys.path",
                  "_item = lambda t: t.item()",
                  f"g = torch.Generator().manual_seed({self.data_seed})"]
         for name, kind, shape, dt, as_arg in self.inputs:
