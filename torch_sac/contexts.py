@@ -119,5 +119,6 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
     return (
         _SelectiveContext(state, state.caching, on_enter=state.begin_forward,
                           on_exit=state.finish_forward),
-        _SelectiveContext(state, state.cached, on_enter=state.begin_recompute),
+        _SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
+                          on_exit=state.finish_recompute),
     )

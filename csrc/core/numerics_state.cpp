@@ -3,7 +3,7 @@
 #include <ATen/Context.h>
 #include <c10/core/DefaultDtype.h>
 
-namespace torch_sac::region {
+namespace torch_sac {
 namespace {
 
 const char* precision_name(uint8_t p) {
@@ -69,4 +69,4 @@ NumericsGuard::~NumericsGuard() {
   }
 }
 
-} // namespace torch_sac::region
+} // namespace torch_sac

@@ -1,19 +1,22 @@
 #pragma once
 // Process-wide settings that change what an op computes without being one of
 // its arguments: the default dtype (a factory op without `dtype=`), the
-// deterministic-algorithms switches and float32 matmul precision. Captured
-// with each replayable tape entry and put back for its replay, so a setting
-// changed between forward and backward cannot change a rebuilt tensor.
+// deterministic-algorithms switches and float32 matmul precision. A region
+// captures them with each replayable tape entry and puts them back for its
+// replay; the drop-in captures them when forward starts and runs recompute
+// under them. So a setting changed between forward and backward cannot
+// change a rebuilt tensor.
 //
 // Thread-local settings are not here because replay does not need them:
-// grad mode and autocast are off in replay (ReplayGuard), and functorch
-// transforms wrap tensors the region does not record (tensor_kind.h).
+// grad mode and autocast are off in replay (ReplayGuard; the drop-in's
+// recompute gets them from torch.utils.checkpoint), and functorch transforms
+// wrap tensors the region does not record (tensor_kind.h).
 
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 struct NumericsState {
   c10::ScalarType default_dtype = c10::ScalarType::Float;
@@ -42,4 +45,4 @@ class NumericsGuard {
   bool changed_;
 };
 
-} // namespace torch_sac::region
+} // namespace torch_sac

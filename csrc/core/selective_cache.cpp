@@ -134,6 +134,7 @@ void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
 
 void SelectiveCache::begin_forward() {
   records_ = !recording_disabled();
+  forward_numerics_ = NumericsState::current();
 }
 
 void SelectiveCache::finish_forward() {
@@ -159,6 +160,12 @@ void SelectiveCache::begin_recompute() {
   for (OpRecord* record : first_seen_order_) {
     record->recompute_calls = 0;
   }
+  recompute_numerics_.reset();
+  recompute_numerics_.emplace(forward_numerics_);
+}
+
+void SelectiveCache::finish_recompute() {
+  recompute_numerics_.reset();
 }
 
 SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
@@ -185,10 +192,10 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
 
 void SelectiveCache::cache_outputs(
     OpRecord& record,
-    Entry& entry,
+    int64_t call_index,
     c10::ArrayRef<c10::IValue> outputs,
     bool op_returns_alias) {
-  const int64_t call_index = &entry - record.entries.data();
+  Entry& entry = record.entries[call_index];
   entry.state = EntryState::Cached;
   entry.outputs.reserve(outputs.size());
   for (const c10::IValue& out : outputs) {
@@ -349,7 +356,7 @@ void CachingHandler::handle(
   entry.position = cache_->forward_ops_++;
   cache_->watch_aliases(outputs);
   if (is_save(decision) && cacheable_writes && !draws_now) {
-    cache_->cache_outputs(record, entry, outputs, returns_alias(op));
+    cache_->cache_outputs(record, call_index, outputs, returns_alias(op));
   }
 }
 

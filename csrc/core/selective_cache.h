@@ -20,6 +20,8 @@
 //  * an op that wrote in forward to a storage recompute meets again (BatchNorm
 //    running statistics, a parameter, a `.grad`) writes to a copy in
 //    recompute: forward's update happens exactly once;
+//  * recompute runs under the default dtype, determinism switches and matmul
+//    precision forward started with (numerics_state.h);
 //  * random ops are always recomputed: recompute restores the RNG state
 //    forward started from, so a random op served from the cache would not
 //    draw and every random op after it would draw different numbers (an
@@ -39,6 +41,7 @@
 #include <vector>
 
 #include "interceptor.h"
+#include "numerics_state.h"
 #include "op_policy.h"
 
 namespace torch_sac {
@@ -122,8 +125,10 @@ class SelectiveCache {
   void begin_forward();
   // Forward ended: the versions cached outputs must still have at recompute.
   void finish_forward();
-  // Recompute starts (again): call indices count from 0.
+  // Recompute starts (again): call indices count from 0, and the process-wide
+  // numerics settings are forward's until finish_recompute().
   void begin_recompute();
+  void finish_recompute();
   bool records() const {
     return records_;
   }
@@ -143,7 +148,7 @@ class SelectiveCache {
   friend class CachedHandler;
 
 
-  void cache_outputs(OpRecord& record, Entry& entry, c10::ArrayRef<c10::IValue> outputs,
+  void cache_outputs(OpRecord& record, int64_t call_index, c10::ArrayRef<c10::IValue> outputs,
                      bool op_returns_alias);
   // Drops the cached entries whose outputs live on `storage`.
   void invalidate(const c10::StorageImpl* storage);
@@ -161,6 +166,8 @@ class SelectiveCache {
   std::unordered_map<const c10::StorageImpl*, int64_t> last_write_;
   bool records_ = true;
   bool forward_finished_ = false;
+  NumericsState forward_numerics_;
+  std::optional<NumericsGuard> recompute_numerics_;
   SelectiveCacheStats stats_;
 };
 

@@ -54,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
         self.caching->release_policy();
       })
       .def("begin_recompute", [](SelectiveCheckpoint& self) { self.cache->begin_recompute(); })
+      .def("finish_recompute", [](SelectiveCheckpoint& self) { self.cache->finish_recompute(); })
       .def("stats", [](const SelectiveCheckpoint& self) {
         const auto& s = self.cache->stats();
         py::dict d;

@@ -343,6 +343,11 @@ void Region::handle(
         if (s >= 0) {
           written_storages.push_back(s);
         }
+        if (t.defined() && t.has_storage() && !held_slots_.empty()) {
+          // FSDP2's copies preserve the version counter: without this, an
+          // earlier reader's replay would read the new value unnoticed.
+          preserve_held_before_write(t);
+        }
       });
       continue;
     }

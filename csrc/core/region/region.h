@@ -43,7 +43,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
 #include "memo.h"
-#include "numerics_state.h"
+#include "csrc/core/numerics_state.h"
 #include "rng_snapshot.h"
 #include "tensor_geometry.h"
 
