@@ -530,3 +530,24 @@ def test_region_replays_a_read_of_an_outside_tensor_written_later_in_the_region(
     assert_tensors_equal(xo.grad, xr.grad, "x.grad")
     assert_tensors_equal(our_a, ref_a, "a written once")
     nothing_installed()
+
+
+def _read_then_foreach_write_outside(a, x):
+    b = a + x                       # dropped: its replay reads `a`...
+    torch._foreach_add_([a], 1.0)   # ...which a tensor-list write then overwrites
+    return torch.sin(b)
+
+
+def test_region_replays_a_read_of_an_outside_tensor_written_by_a_list_op():
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(4, 4, dtype=torch.float64)
+    ref_a, our_a = a.clone(), a.clone()
+    xr = x.detach().clone().requires_grad_()
+    _read_then_foreach_write_outside(ref_a, xr).sum().backward()
+    xo = x.detach().clone().requires_grad_()
+    out = torch_sac.checkpoint(_read_then_foreach_write_outside, our_a, xo,
+                               policy=torch_sac.policies.recompute_all())
+    out.sum().backward()
+    assert_tensors_equal(xo.grad, xr.grad, "x.grad")
+    assert_tensors_equal(our_a, ref_a, "a written once")
+    nothing_installed()
