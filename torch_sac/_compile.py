@@ -79,6 +79,18 @@ def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutati
         fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
+REPLAY_BUDGET_WHILE_COMPILING = (
+    "torch_sac: replay_budget does not apply inside code that torch.compile traces: the "
+    "region becomes PyTorch's compiled selective checkpointing, which recomputes each "
+    "dropped op once. Run the region eagerly for a replay budget."
+)
+
+
+def warn_replay_budget_ignored():
+    # Dynamo traces warnings.warn as a graph break-free side effect.
+    warnings.warn(REPLAY_BUDGET_WHILE_COMPILING, stacklevel=3)
+
+
 REGION_WHILE_COMPILING = (
     "torch_sac.sac_context cannot be used inside code that torch.compile traces: a region "
     "records ops as they run, and compiled code does not run them one by one. Inside "

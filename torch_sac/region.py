@@ -1,5 +1,6 @@
 """Checkpointing a region of code in place: ``with torch_sac.sac_context(policy):``."""
 
+import numbers
 import threading
 
 import torch
@@ -30,6 +31,19 @@ def _observers():
     return _active.observers
 
 
+def _check_replay_budget(replay_budget, where):
+    """None or an int number of bytes >= 0."""
+    if replay_budget is None:
+        return None
+    if isinstance(replay_budget, bool) or not isinstance(replay_budget, numbers.Integral):
+        raise TypeError(
+            f"torch_sac.{where}: replay_budget must be an int number of bytes or None, "
+            f"got {replay_budget!r}")
+    if replay_budget < 0:
+        raise ValueError(f"torch_sac.{where}: replay_budget must be >= 0 bytes, got {replay_budget}")
+    return int(replay_budget)
+
+
 class sac_context:
     """Selective activation checkpointing for the code inside a ``with`` block.
 
@@ -48,6 +62,14 @@ class sac_context:
         allow_cache_entry_mutation (bool): an output the policy saved that a
             replay needs, modified in place after use, raises by default;
             ``True`` lets the replay use the modified value.
+        replay_budget (int, optional): at most this many bytes of rebuilt
+            tensors held by the region during backward. By default a replay
+            keeps every tensor it rebuilds that autograd will unpack later;
+            with a budget it keeps evenly spaced checkpoints and the tensors
+            needed next, and rebuilds the others again when they are
+            unpacked (multiple recomputation). Gradients are unchanged. It
+            lets one region around a whole model with ``recompute_all`` run
+            backward in a few blocks' memory. Set it on the outermost region.
 
     Example:
         >>> policy = torch_sac.policies.save_matmuls()
@@ -60,10 +82,11 @@ class sac_context:
 
     Caveats:
         * Put one region around each block, as with
-          :func:`torch.utils.checkpoint.checkpoint`: a dropped tensor is
-          rebuilt from the nearest tensors its region keeps, so one region
-          around a whole model with ``recompute_all`` rebuilds most of the
-          forward at the first unpack.
+          :func:`torch.utils.checkpoint.checkpoint`, or set ``replay_budget``:
+          a dropped tensor is rebuilt from the nearest tensors its region
+          keeps, so without a budget one region around a whole model with
+          ``recompute_all`` rebuilds, and holds, most of the forward at the
+          first unpack.
         * Random ops replay with the random state they drew from in forward,
           so dropout masks match. An op that wrote to a tensor from outside
           the region (BatchNorm's running statistics) is replayed against a
@@ -79,7 +102,7 @@ class sac_context:
         * With grad disabled or in inference mode nothing is recorded.
     """
 
-    def __init__(self, policy, *, allow_cache_entry_mutation=False):
+    def __init__(self, policy, *, allow_cache_entry_mutation=False, replay_budget=None):
         if torch.compiler.is_compiling():
             _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
@@ -89,6 +112,7 @@ class sac_context:
             )
         self._policy = as_op_policy(policy, "sac_context")
         self._allow = allow_cache_entry_mutation
+        self._replay_budget = _check_replay_budget(replay_budget, "sac_context")
         self._region = None
         self._owner = False
         self._exits = []
@@ -99,11 +123,17 @@ class sac_context:
             raise RuntimeError("torch_sac.sac_context: this context is already entered")
         stack = _stack()
         if stack:
+            if self._replay_budget is not None:
+                raise ValueError(
+                    "torch_sac.sac_context: replay_budget is set on a region nested in another "
+                    "one; nested regions record into the outermost region, whose budget "
+                    "applies: set it there")
             self._region = stack[-1]._region
             self._region.push_policy(self._policy)
             self._exits = [self._region.pop_policy]
         else:
-            self._region = _C.Region(self._policy, self._allow)
+            budget = -1 if self._replay_budget is None else self._replay_budget
+            self._region = _C.Region(self._policy, self._allow, budget)
             self._owner = True
             hooks = torch.autograd.graph.saved_tensors_hooks(self._region.pack, _C.unpack_saved)
             mode = handler_mode(self._region)
@@ -189,7 +219,11 @@ class sac_context:
         or replaced by a reference); ``unpacked_original`` (references served
         by a still-live original); ``replayed_ops`` and ``replay_ns``
         (backward replays and their time); ``record_ns`` (time spent
-        recording ops in forward, outside the ops themselves).
+        recording ops in forward, outside the ops themselves);
+        ``memo_bytes`` (rebuilt tensors held now for unpacks to come),
+        ``peak_memo_bytes`` (the most held after a replay: at most
+        ``replay_budget``), ``memos_skipped`` (rebuilt tensors the budget
+        did not let the region keep, rebuilt again when unpacked).
         """
         self._check_used("stats")
         return self._region.stats()
@@ -212,7 +246,7 @@ class sac_context:
             raise RuntimeError(f"torch_sac.sac_context.{what}: the context was never entered")
 
 
-def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, **kwargs):
+def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, replay_budget=None, **kwargs):
     """Runs ``fn(*args, **kwargs)`` inside :class:`sac_context` and returns its result.
 
     Unlike :func:`torch.utils.checkpoint.checkpoint`, backward never calls
@@ -223,16 +257,22 @@ def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, **kwargs):
         *args, **kwargs: passed to ``fn``.
         policy: as for :class:`sac_context` (keyword-only).
         allow_cache_entry_mutation (bool): as for :class:`sac_context`.
+        replay_budget (int, optional): as for :class:`sac_context`.
 
     Under ``torch.compile`` (``fn`` is traced), this is
     ``torch.utils.checkpoint.checkpoint`` with torch_sac's contexts: PyTorch's
-    compiled selective checkpointing with the same policy.
+    compiled selective checkpointing with the same policy, which recomputes
+    each dropped op once (a ``replay_budget`` does not apply there; it warns).
 
     Example:
         >>> y = torch_sac.checkpoint(block, x, policy=torch_sac.policies.recompute_all())
     """
+    _check_replay_budget(replay_budget, "checkpoint")
     if torch.compiler.is_compiling():
+        if replay_budget is not None:
+            _compile.warn_replay_budget_ignored()
         return _compile.checkpoint_when_compiling(
             fn, args, kwargs, policy, allow_cache_entry_mutation)
-    with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation):
+    with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation,
+                     replay_budget=replay_budget):
         return fn(*args, **kwargs)

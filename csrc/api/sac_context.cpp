@@ -72,11 +72,16 @@ SacContext::SacContext(PolicyPtr policy, SacOptions options) {
 
   auto state = std::make_shared<State>();
   if (!tls_contexts.empty()) {
+    TORCH_CHECK_VALUE(
+        options.replay_budget < 0,
+        "torch_sac::SacContext: replay_budget is set on a context nested in another one; nested "
+        "contexts record into the outermost region, whose budget applies: set it there.");
     state->region = tls_contexts.back()->region;
     state->region->push_policy(std::move(policy));
   } else {
     state->region = std::make_shared<region::Region>(
-        std::move(policy), options.allow_cache_entry_mutation);
+        std::move(policy), options.allow_cache_entry_mutation,
+        options.replay_budget < 0 ? region::Region::kNoReplayBudget : options.replay_budget);
     state->owner = true;
     push_key_handler(state->region);
   }

@@ -81,8 +81,9 @@ PYBIND11_MODULE(_C, m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   py::class_<SavedActivationHandle>(m, "SavedActivation");
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
-      .def(py::init<std::shared_ptr<OpPolicy>, bool>(), py::arg("policy"),
-           py::arg("allow_cache_entry_mutation"))
+      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t>(), py::arg("policy"),
+           py::arg("allow_cache_entry_mutation"),
+           py::arg("replay_budget") = region::Region::kNoReplayBudget)
       .def("push_policy", &region::Region::push_policy, NoGil())
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
@@ -138,6 +139,8 @@ PYBIND11_MODULE(_C, m) {
         d["replay_ns"] = s.replay_ns;
         d["record_ns"] = s.record_ns;
         d["memo_bytes"] = s.memo_bytes;
+        d["peak_memo_bytes"] = s.peak_memo_bytes;
+        d["memos_skipped"] = s.memos_skipped;
         return d;
       })
       .def("op_summary", [](const region::Region& self) {

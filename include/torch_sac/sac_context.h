@@ -50,6 +50,10 @@ struct SacOptions {
   // A kept output that a replay needs, modified in place after use, raises
   // on replay by default; true lets the replay use the modified value.
   bool allow_cache_entry_mutation = false;
+  // At most this many bytes of rebuilt tensors held during backward; ones
+  // that do not fit are rebuilt again when needed (multiple recomputation).
+  // Negative: no budget. See docs/design.md, "Replay budget".
+  int64_t replay_budget = -1;
 };
 
 // What a region recorded, readable after the SacContext that recorded it is

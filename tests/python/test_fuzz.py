@@ -768,11 +768,14 @@ def make_inputs(prog):
     return vals
 
 
-def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=None):
+def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=None,
+                replay_budget=None):
     """One forward+backward (two with ``twice``: retain_graph, grads
     accumulate). engine: plain, region, checkpoint, dropin, torch (PyTorch's
     own SAC with the same policy). ``layout`` places the region engine's
-    regions (see Program.body). Policies made are appended to ``policies``."""
+    regions (see Program.body); ``replay_budget`` goes to the outermost
+    region (the region and checkpoint engines). Policies made are appended to
+    ``policies``."""
     policies = [] if policies is None else policies
     contexts = []
 
@@ -783,7 +786,10 @@ def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=
     def region_block():
         if engine != "region":
             return contextlib.nullcontext()
-        ctx = torch_sac.sac_context(new_policy())
+        # The program enters it right away: outermost when no region is open.
+        outermost = not torch_sac.region._stack()
+        ctx = torch_sac.sac_context(new_policy(),
+                                    replay_budget=replay_budget if outermost else None)
         contexts.append(ctx)
         return ctx
 
@@ -802,13 +808,14 @@ def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=
             outs = fn(*args)
         elif engine == "region":
             if layout[0] == "one":
-                with torch_sac.sac_context(new_policy()) as region:
+                with torch_sac.sac_context(new_policy(), replay_budget=replay_budget) as region:
                     outs = fn(*args)
                 contexts.append(region)
             else:
                 outs = fn(*args)
         elif engine == "checkpoint":
-            outs = torch_sac.checkpoint(fn, *args, policy=new_policy())
+            outs = torch_sac.checkpoint(fn, *args, policy=new_policy(),
+                                        replay_budget=replay_budget)
         elif engine == "dropin":
             policy = new_policy()
 
@@ -922,9 +929,9 @@ def _region_error_documented(err, prog, spec, policies, layout):
     return False
 
 
-def check_engine(prog, spec, engine, layout=("one",), twice=False):
+def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget=None):
     note(f"engine={engine} adapter={torch_sac.adapter()} policy={spec!r} "
-         f"layout={layout} twice={twice}")
+         f"layout={layout} twice={twice} replay_budget={replay_budget}")
     if layout[0] != "one":
         note("program as run by the region engine:\n" + prog.body(layout))
     try:
@@ -936,7 +943,7 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False):
     assume(ref is not None)
     policies = []
     try:
-        ours = run_program(prog, engine, spec, layout, twice, policies)
+        ours = run_program(prog, engine, spec, layout, twice, policies, replay_budget)
     except Exception as e:  # noqa: BLE001
         if engine in ("region", "checkpoint"):
             if isinstance(e, RuntimeError) and _region_error_documented(e, prog, spec, policies, layout):
@@ -980,6 +987,10 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False):
     raise AssertionError(f"{engine} differs from plain autograd: {list(diffs.values())}")
 
 
+# No budget, none at all (every rebuilt tensor is rebuilt again at its next
+# unpack), and budgets holding a few of the fuzzer's tensors.
+REPLAY_BUDGETS = st.sampled_from([None, 0, 200, 1000])
+
 LAYOUTS = st.one_of(
     st.just(("one",)),
     st.tuples(st.just("two"), st.integers(0, 24)),
@@ -989,8 +1000,9 @@ LAYOUTS = st.one_of(
 
 @pytest.mark.parametrize("engine", ENGINES)
 @PROFILE
-@given(prog=programs(), spec=policy_specs(), layout=LAYOUTS, twice=st.booleans())
-def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice):
+@given(prog=programs(), spec=policy_specs(), layout=LAYOUTS, twice=st.booleans(),
+       replay_budget=REPLAY_BUDGETS)
+def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice, replay_budget):
     if engine != "region":
         layout = ("one",)   # regions placed inside the program: region engine only
     if engine == "dropin":
@@ -1001,7 +1013,8 @@ def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        check_engine(prog, spec, engine, layout, twice)
+        check_engine(prog, spec, engine, layout, twice,
+                     replay_budget if engine in ("region", "checkpoint") else None)
     finally:
         torch.set_num_threads(before)
     interceptor_clean()

@@ -58,10 +58,18 @@ const char* first_unrecordable(c10::ArrayRef<c10::IValue> values) {
 
 } // namespace
 
-Region::Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation)
+Region::Region(
+    std::shared_ptr<OpPolicy> policy,
+    bool allow_cache_entry_mutation,
+    int64_t replay_budget)
     : allow_cache_entry_mutation_(allow_cache_entry_mutation),
+      replay_budget_(replay_budget),
       records_(!recording_disabled()) {
   TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
+  TORCH_CHECK_VALUE(
+      replay_budget >= 0 || replay_budget == kNoReplayBudget,
+      "torch_sac: sac_context's replay_budget must be a number of bytes >= 0 (or None for no "
+      "budget), got ", replay_budget);
   policies_.push_back(std::move(policy));
 }
 
@@ -165,6 +173,7 @@ int32_t Region::track_storage(
   record.producer_output = output;
   record.replayable = replayable;
   record.last_version = version_of(t);
+  record.nbytes = static_cast<int64_t>(storage.nbytes());
   const auto index = static_cast<int32_t>(storages_.size());
   storages_.push_back(std::move(record));
   storage_index_[storage.unsafeGetStorageImpl()] = index;
@@ -394,6 +403,7 @@ void Region::handle(
   ++stats_.policy_calls;
   const auto entry_index = static_cast<int32_t>(entries_.size());
   Entry entry{op, op_index, call_index};
+  entry.cost_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(run_end - run_start).count();
   if (!recordable || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.
@@ -577,9 +587,7 @@ SavedActivation::~SavedActivation() {
 RegionStats Region::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   RegionStats stats = stats_;
-  for (int32_t s : memoised_) {
-    stats.memo_bytes += storages_[s].memo.strong_bytes();
-  }
+  stats.memo_bytes = strong_memo_bytes();
   return stats;
 }
 

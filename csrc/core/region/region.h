@@ -38,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "csrc/core/interceptor.h"
@@ -97,8 +98,13 @@ struct RegionStats {
   // Time the region spent recording in forward, outside the ops themselves
   // (the interception overhead; the adapter's own dispatch is not included).
   int64_t record_ns = 0;
-  // Rebuilt tensors the region holds right now for unpacks still to come.
+  // Rebuilt tensors the region holds right now for unpacks still to come,
+  // and the most it held at the end of a replay.
   int64_t memo_bytes = 0;
+  int64_t peak_memo_bytes = 0;
+  // Rebuilt tensors autograd still needed that the replay budget did not let
+  // the region keep: each is rebuilt again when unpacked.
+  int64_t memos_skipped = 0;
 };
 
 struct RegionOpSummary {
@@ -114,7 +120,11 @@ struct RegionOpSummary {
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
  public:
-  Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation);
+  // No replay budget: every rebuilt tensor autograd will unpack later in
+  // this backward is kept until then.
+  static constexpr int64_t kNoReplayBudget = -1;
+  Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation,
+         int64_t replay_budget = kNoReplayBudget);
 
   // OpHandler: records the op (forward only, while open).
   void handle(
@@ -182,12 +192,14 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<int32_t> writes;  // region storages it wrote to
     std::optional<RngSnapshot> rng;
     NumericsState numerics;  // default dtype etc. when recorded
+    int64_t cost_ns = 0;     // the op's time in forward: its replay cost
   };
 
   struct StorageRecord {
     // Pins the StorageImpl's address so the lookup key cannot be reused.
     c10::weak_intrusive_ptr<c10::StorageImpl> identity;
     c10::VariableVersion version_counter;
+    int64_t nbytes = 0;
     int32_t producer = -1;         // -1: from outside the region
     int32_t producer_output = 0;   // among the producer's output tensors
     bool replayable = false;       // produced by a RECOMPUTE op, never tainted
@@ -257,6 +269,11 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
   bool worth_memoising(int32_t storage, int32_t state) const;
+  // Under a replay budget, the storages `plan` rebuilds that it may keep
+  // (replay_budget.h); without one, nullopt: all it should keep.
+  std::optional<std::unordered_set<int32_t>> memos_allowed(
+      const ReplayPlan& plan, int32_t target) const;
+  int64_t strong_memo_bytes() const;
   void memoise(int32_t storage, const at::Tensor& t, int32_t state);
   // Weakens the memos nothing in this pass will unpack again; forgets the
   // weak ones whose storage died.
@@ -274,6 +291,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
   bool allow_cache_entry_mutation_;
+  const int64_t replay_budget_;
   // False when the region was entered with grad off or in inference mode:
   // no graph is built, so nothing is recorded.
   const bool records_;

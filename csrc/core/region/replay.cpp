@@ -14,6 +14,7 @@
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/tensor_version.h"
 #include "region.h"
+#include "replay_budget.h"
 #include "csrc/core/replay_guard.h"
 
 namespace torch_sac::region {
@@ -183,6 +184,10 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
       }
     }
   }
+  const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage);
+  auto may_keep = [&](int32_t s, int32_t st) {
+    return worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
+  };
   // Rebuilt storages with their current state.
   std::unordered_map<int32_t, std::pair<at::Tensor, int32_t>> working;
   for (int32_t e : plan.entries) {
@@ -211,7 +216,7 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
           const int32_t s = produced->second;
           if (plan.states.count(s)) {
             working[s] = {t, 0};
-          } else if (worth_memoising(s, 0)) {
+          } else if (may_keep(s, 0)) {
             // A sibling backward will soon need too (layer norm's mean, rstd).
             memoise(s, t, 0);
           }
@@ -231,8 +236,10 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
     for (auto it = working.begin(); it != working.end();) {
       const int32_t s = it->first;
       if (s != storage && last_use.at(s) == e) {
-        if (worth_memoising(s, it->second.second)) {
+        if (may_keep(s, it->second.second)) {
           memoise(s, it->second.first, it->second.second);
+        } else if (worth_memoising(s, it->second.second)) {
+          ++stats_.memos_skipped;
         }
         it = working.erase(it);
       } else {
@@ -246,7 +253,48 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
       "torch_sac: replay did not rebuild the storage at the state autograd saved");
   const at::Tensor result = std::move(target->second.first);
   memoise(storage, result, state);
+  stats_.peak_memo_bytes = std::max(stats_.peak_memo_bytes, strong_memo_bytes());
   return result.storage();
+}
+
+std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
+    const ReplayPlan& plan, int32_t target) const {
+  if (replay_budget_ == kNoReplayBudget) {
+    return std::nullopt;
+  }
+  std::vector<MemoCandidate> candidates;
+  std::vector<int32_t> candidate_storages;
+  double cost = 0;
+  for (int32_t e : plan.entries) {
+    // Every replayed op costs something, even one too fast to time.
+    cost += static_cast<double>(std::max<int64_t>(entries_[e].cost_ns, 1));
+    for (const auto& [position, s] : entries_[e].produced) {
+      const auto rebuilt = plan.states.find(s);
+      const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
+      if (s != target && worth_memoising(s, state)) {
+        candidates.push_back({cost, storages_[s].nbytes});
+        candidate_storages.push_back(s);
+      }
+    }
+  }
+  // The tensor being rebuilt is returned to autograd, and counts.
+  const int64_t free_bytes = replay_budget_ - strong_memo_bytes() - storages_[target].nbytes;
+  const std::vector<bool> keep = choose_memos(candidates, free_bytes);
+  std::unordered_set<int32_t> allowed;
+  for (size_t i = 0; i < keep.size(); ++i) {
+    if (keep[i]) {
+      allowed.insert(candidate_storages[i]);
+    }
+  }
+  return allowed;
+}
+
+int64_t Region::strong_memo_bytes() const {
+  int64_t bytes = 0;
+  for (int32_t s : memoised_) {
+    bytes += storages_[s].memo.strong_bytes();
+  }
+  return bytes;
 }
 
 // A rebuilt storage met on the way is kept when autograd will still unpack
