@@ -9,7 +9,7 @@ import torch
 from . import _C
 from ._op_profile import format_bytes, profile_region
 
-__all__ = ["budget", "BudgetPolicy", "ModelBudget", "PlanItem"]
+__all__ = ["budget", "BudgetPolicy", "ModelBudget", "PlanItem", "PlanRow"]
 
 _COSTS = ("time", "flops")
 _SOLVERS = ("auto", "exact", "greedy")
@@ -39,6 +39,126 @@ class PlanItem:
             f"PlanItem({self.op}, call={self.call_index}, cost={self.cost:.4g}, "
             f"bytes={self.bytes}, new_bytes={self.new_bytes}, saved={self.saved})"
         )
+
+
+class PlanRow:
+    """One row of :meth:`BudgetPolicy.table`: an op call that allocates region
+    memory, with the calls that use only that memory folded into it.
+
+    A view's outputs share its base's storage and an in-place op's output is
+    its input, so saving either costs no memory beyond the storage's
+    producer: they are folded into the producer's row, and the row's cost and
+    value include theirs.
+    """
+
+    __slots__ = ("item", "folded", "cost", "value", "bytes")
+
+    def __init__(self, item, folded, cost, value, bytes):
+        self.item = item      # PlanItem of the call that allocated the storage
+        self.folded = folded  # PlanItems of the views / in-place ops using it
+        self.cost = cost      # recompute cost of item and folded calls
+        self.value = value    # of which saving could avoid (saveable calls)
+        self.bytes = bytes    # bytes of the region storages the calls keep
+
+    @property
+    def calls(self):
+        return [self.item, *self.folded]
+
+    @property
+    def saved_calls(self):
+        return sum(it.saved for it in self.calls)
+
+    def __repr__(self):
+        return (
+            f"PlanRow({self.item.op}, call={self.item.call_index}, folded={len(self.folded)}, "
+            f"cost={self.cost:.4g}, value={self.value:.4g}, bytes={self.bytes}, "
+            f"saved_calls={self.saved_calls})"
+        )
+
+
+def _fold(profile, items):
+    """The plan's rows, in region order, and the calls that keep no region
+    storage (views of parameters or inputs, in-place ops on them, ops without
+    tensor outputs).
+
+    A call that allocates a storage heads a row; a call that allocates
+    nothing joins the row that holds its first region storage. A storage
+    first made by a call the plan does not see (an ignored op, or one run
+    without grad) has no such row: the first call using it heads one.
+    """
+    storages = profile.storages
+    groups = []    # per row: [(record, item) of its head, then of each folded call]
+    group_of = {}  # storage index -> the group of the row holding it
+    outside = []
+    for r, it in zip(profile.records, items):
+        internal = [s for s in r.storages if storages[s].internal]
+        if not internal:
+            outside.append(it)
+            continue
+        group = None if r.new_storages else group_of.get(internal[0])
+        if group is None:
+            group = []
+            groups.append(group)
+        group.append((r, it))
+        for s in internal:
+            group_of.setdefault(s, group)
+    rows = []
+    for group in groups:
+        calls = [it for _, it in group]
+        kept = {s for r, _ in group for s in r.storages if storages[s].internal}
+        rows.append(PlanRow(
+            item=calls[0],
+            folded=calls[1:],
+            cost=sum(it.cost for it in calls),
+            value=sum(it.cost for it in calls if it.saveable),
+            bytes=sum(storages[s].nbytes for s in kept),
+        ))
+    return rows, outside
+
+
+def _packet_name(op):
+    """'aten.transpose.int' -> 'transpose'; other namespaces stay: 'mylib.f'."""
+    return op._opname if op.namespace == "aten" else f"{op.namespace}.{op._opname}"
+
+
+def _op_name(op):
+    """'aten.addmm.default' -> 'addmm', 'aten.transpose.int' -> 'transpose.int'."""
+    name = _packet_name(op)
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def _folded_names(items, width=44):
+    """'view x5, transpose x4, split': the ops of ``items`` by name, most
+    frequent first, cut to about ``width`` characters."""
+    counts = {}
+    for it in items:
+        name = _packet_name(it.op)
+        counts[name] = counts.get(name, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    text = ""
+    for i, (name, count) in enumerate(ranked):
+        part = name if count == 1 else f"{name} x{count}"
+        if text and len(text) + len(part) + 2 > width:
+            return f"{text}, +{sum(c for _, c in ranked[i:])} more"
+        text = f"{text}, {part}" if text else part
+    return text
+
+
+def _decision(item):
+    if item.saved:
+        return "SAVE"
+    if not item.saveable:
+        return f"recompute ({item.why_not})"
+    return "recompute"
+
+
+def _render(header, rows):
+    """Left-aligned columns under a dashed rule."""
+    rows = [header, *rows]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def _check_budget(bytes_, fraction, where):
@@ -87,7 +207,15 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         solver_note: why ``auto`` fell back to greedy, if it did.
         solve_seconds: time spent in the C++ solver.
         chosen: list of ``(op, call_index)`` saved.
-        items: every op call of the region as a :class:`PlanItem`.
+        items: every op call of the region as a :class:`PlanItem`, in
+            region order.
+        rows: the op calls that allocate region memory, each a
+            :class:`PlanRow` with the views and in-place ops that use its
+            memory folded in, by value (the recompute cost saving the row
+            could avoid) descending: what :meth:`table` shows.
+        outside_calls: the op calls (:class:`PlanItem`) that keep no region
+            memory (views of parameters or inputs, in-place ops on them,
+            ops without tensor outputs): nothing to save.
     """
 
     def __init__(self, profile, cost, budget_bytes, solution, fraction=None):
@@ -109,6 +237,9 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         for j in solution["chosen"]:
             items[candidates[j]].saved = True
         self.items = items
+        rows, self.outside_calls = _fold(profile, items)
+        # Stable: equal values keep region order.
+        self.rows = sorted(rows, key=lambda row: (row.value, row.cost), reverse=True)
         self.chosen = [it.key for it in items if it.saved]
         self.cost = cost
         self.cost_unit = "s" if cost == "time" else "FLOP"
@@ -142,10 +273,28 @@ class BudgetPolicy(_C.SavedCallsPolicy):
 
     def _fmt_cost(self, c):
         if self.cost == "time":
-            return f"{c * 1e6:.1f} us"
-        return f"{c / 1e6:.3g} MFLOP"
+            scales = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+        else:
+            scales = (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3), ("FLOP", 1.0))
+        for unit, scale in scales:
+            if abs(c) >= scale:
+                break
+        if unit == "FLOP":  # counted, not measured: no fraction
+            return f"{c:.0f} FLOP"
+        return f"{c / scale:.1f} {unit}"
+
+    def _share(self, c):
+        return f"{100.0 * c / self.total_cost:.1f}%" if self.total_cost else "-"
+
+    def _bytes_of(self, items):
+        """Bytes of the distinct region storages ``items`` keep."""
+        index = {id(it): r for it, r in zip(self.items, self._profile.records)}
+        storages = self._profile.storages
+        kept = {s for it in items for s in index[id(it)].storages if storages[s].internal}
+        return sum(storages[s].nbytes for s in kept)
 
     def summary(self):
+        """The plan in one line (as in ``repr``)."""
         pct = lambda a, b: f"{100.0 * a / b:.0f}%" if b else "-"  # noqa: E731
         return (
             f"budget {format_bytes(self.budget_bytes)}"
@@ -159,34 +308,128 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             + (f" ({self.solver_note})" if self.solver_note else "")
         )
 
-    def table(self, max_rows=None):
-        """The plan as a text table: one row per op call, then the summary."""
-        rows = [("#", "op", "call", "cost", "keeps", "allocates", "decision")]
-        for i, it in enumerate(self.items[: max_rows if max_rows is not None else len(self.items)]):
-            if it.saved:
-                decision = "SAVE"
-            elif not it.saveable:
-                decision = "recompute (" + it.why_not + ")"
-            else:
-                decision = "recompute"
-            rows.append(
-                (
-                    str(i),
-                    str(it.op),
-                    str(it.call_index),
-                    self._fmt_cost(it.cost),
-                    format_bytes(it.bytes),
-                    format_bytes(it.new_bytes),
-                    decision,
-                )
-            )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        if max_rows is not None and len(self.items) > max_rows:
-            lines.append(f"... {len(self.items) - max_rows} more")
-        lines.append(self.summary())
-        return "\n".join(lines)
+    def table(self, max_rows=20, fold=True):
+        """The plan as text: the op calls most worth saving, then a summary
+        that defines each of its terms in one line.
+
+        With ``fold=True`` (default) a row is an op call that allocates
+        region memory, with the calls that only use that memory folded into
+        it: a view shares its base's storage and an in-place op writes its
+        input's, so saving them costs no memory beyond that storage. The
+        folded ops are named in the last column and their cost is added to
+        the row's. Rows are sorted by value, the recompute cost saving the
+        row would avoid (that of its calls that can be saved), so rows that
+        cannot be saved come last; they are :attr:`rows`. Calls keeping no
+        region memory (e.g. ``t`` of a weight) are counted in one line. The
+        costs of the shown rows, of the hidden rows' line and of that line
+        add up to the region's total.
+
+        Columns: ``op`` (``aten.`` and a ``.default`` overload left out) and
+        ``call`` (its call index in the region) name the call the policy
+        decides on; ``cost`` is the recompute cost of the row's calls (time
+        or FLOPs) and ``share`` its share of the total; ``bytes`` the region
+        memory the row's calls keep, what saving it costs; ``decision``
+        SAVE, or recompute with the reason when it cannot be saved.
+
+        Args:
+            max_rows (int, optional): rows to show (default 20); the others
+                are summed up in one line. ``None`` shows them all.
+            fold (bool): if ``False``, one row per op call in region order,
+                as in :attr:`items`, with the bytes each keeps and allocates.
+        """
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
+                                     or max_rows < 0):
+            raise ValueError(f"torch_sac.BudgetPolicy.table: max_rows must be an int >= 0 or None, "
+                             f"got {max_rows!r}")
+        lines = self._folded_lines(max_rows) if fold else self._call_lines(max_rows)
+        return "\n".join(lines + self._summary_lines())
+
+    def _folded_lines(self, max_rows):
+        shown = self.rows[:max_rows]
+        cells = []
+        for row in shown:
+            decision = _decision(row.item)
+            saved_folded = sum(it.saved for it in row.folded)
+            if saved_folded and not row.item.saved:
+                # A view taken after its base's last in-place write can be
+                # saved though the base cannot: it keeps the base's storage.
+                decision += f"; SAVE {saved_folded} folded"
+            cells.append((_op_name(row.item.op), str(row.item.call_index), self._fmt_cost(row.cost),
+                          self._share(row.cost), format_bytes(row.bytes), decision,
+                          _folded_names(row.folded)))
+        lines = [
+            f"{len(self.items)} op calls in {len(self.rows)} rows, most valuable first (value: the "
+            "recompute cost saving the row avoids);",
+            "views and in-place ops are folded into the op whose memory they use, their cost added "
+            "to its row",
+            *_render(("op", "call", "cost", "share", "bytes", "decision", "folded into it"), cells),
+        ]
+        hidden = self.rows[len(shown):]
+        if hidden:
+            line = self._more_line(len(hidden), "rows", [it for row in hidden for it in row.calls])
+            unsaveable = [row for row in hidden if row.value == 0 and row.cost > 0]
+            if unsaveable:
+                # Sorted last, they may hold much of the cost: say so.
+                cost = sum(row.cost for row in unsaveable)
+                line += (f"; {len(unsaveable)} of them cannot be saved "
+                         f"({self._share(cost)} of the cost)")
+            lines.append(line)
+        if self.outside_calls:
+            cost = sum(it.cost for it in self.outside_calls)
+            saved = sum(it.saved for it in self.outside_calls)
+            lines.append(
+                f"{len(self.outside_calls)} op calls keep no region memory (on parameters, buffers or "
+                f"inputs), not shown: {_folded_names(self.outside_calls)}; {self._share(cost)} of the "
+                f"cost; {saved} saved (free)")
+        return lines
+
+    def _call_lines(self, max_rows):
+        shown = self.items[:max_rows]
+        cells = [(str(i), _op_name(it.op), str(it.call_index), self._fmt_cost(it.cost),
+                  self._share(it.cost), format_bytes(it.bytes), format_bytes(it.new_bytes),
+                  _decision(it))
+                 for i, it in enumerate(shown)]
+        lines = [f"{len(self.items)} op calls, in region order",
+                 *_render(("#", "op", "call", "cost", "share", "keeps", "allocates", "decision"), cells)]
+        hidden = self.items[len(shown):]
+        if hidden:
+            lines.append(self._more_line(len(hidden), "calls", hidden))
+        return lines
+
+    def _more_line(self, count, what, items):
+        cost = sum(it.cost for it in items)
+        saved = sum(it.saved for it in items)
+        return (f"... {count} more {what}: {self._share(cost)} of the cost, "
+                f"{format_bytes(self._bytes_of(items))}"
+                + (f", {saved} saved call{'s' if saved != 1 else ''}" if saved else ""))
+
+    def _summary_lines(self):
+        budget = format_bytes(self.budget_bytes)
+        if self.fraction is not None:
+            budget += f" ({self.fraction:.0%} of activations)"
+        measure = "measured time" if self.cost == "time" else "FLOPs"
+        if self.optimal:
+            solver = (f"{self.solver}, optimal", "proven: no plan within the budget avoids more")
+        else:
+            gap = self._fmt_cost(self.upper_bound - self.avoided_cost)
+            solver = (f"{self.solver}, within {gap} of optimal",
+                      "at most this much more could be avoided (a proven bound)"
+                      + (f" ({self.solver_note})" if self.solver_note else ""))
+        terms = [
+            ("budget", budget, "the most region memory the saved calls may keep"),
+            ("saved", f"{format_bytes(self.saved_bytes)}, {len(self.chosen)} of {len(self.items)} calls",
+             "region memory the saved calls keep for backward (storages counted once)"),
+            ("activations", format_bytes(self.activation_bytes),
+             "what autograd keeps for backward without checkpointing"),
+            ("everything", format_bytes(self.total_bytes), "what saving every call would keep"),
+            ("avoided", f"{self._fmt_cost(self.avoided_cost)} of {self._fmt_cost(self.total_cost)} "
+             f"({self._share(self.avoided_cost)})",
+             f"recompute cost of the saved calls, of all calls ({measure})"),
+            ("solver", *solver),
+        ]
+        name_w = max(len(t[0]) for t in terms)
+        value_w = max(len(t[1]) for t in terms)
+        return [f"{name:<{name_w}}  {value:<{value_w}}  {meaning}" for name, value, meaning in terms]
 
     def __repr__(self):
         return f"<torch_sac BudgetPolicy: {self.summary()}>"
@@ -282,8 +525,10 @@ def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="au
         :func:`torch_sac.create_selective_checkpoint_contexts`. Its attributes
         describe the plan (``chosen``, ``saved_bytes``, ``budget_bytes``,
         ``activation_bytes``, ``avoided_cost``, ``solver``, ``optimal``, ...);
-        ``table()`` prints it; ``with_budget(...)`` re-plans for another
-        budget without profiling again.
+        ``table()`` shows it, the op calls worth the most first with views
+        and in-place ops folded into the op whose memory they use, then a
+        summary; ``with_budget(...)`` re-plans for another budget without
+        profiling again.
 
     Example:
         >>> block = model.layers[0]
@@ -400,7 +645,7 @@ class ModelBudget:
 
     Pass it to :func:`torch_sac.apply_sac` as the policy (it is a callable
     ``module -> plan``); ``plans`` maps each block's name to its plan;
-    ``table()`` prints each distinct plan once.
+    ``table()`` shows each distinct plan once, with the blocks it serves.
     """
 
     def __init__(self, by_block, names):
@@ -428,16 +673,54 @@ class ModelBudget:
     def saved_bytes(self):
         return sum(plan.saved_bytes for plan in self._by_block.values())
 
-    def table(self, max_rows=None):
+    def table(self, max_rows=20, fold=True):
+        """The plans as text: a line for the whole model, then per distinct
+        plan a header naming the blocks that share it and the plan's
+        :meth:`BudgetPolicy.table` (``max_rows`` and ``fold`` as there)."""
         groups = {}
         for module, plan in self._by_block.items():
-            groups.setdefault(id(plan), (plan, []))[1].append(self._names[module])
-        parts = []
-        for plan, names in groups.values():
-            parts.append(f"== blocks {', '.join(names)}\n{plan.table(max_rows)}")
-        return "\n\n".join(parts)
+            groups.setdefault(id(plan), (plan, []))[1].append(module)
+        lines = [
+            f"{len(self._by_block)} blocks, {len(groups)} distinct plan{'s' if len(groups) != 1 else ''}; "
+            f"saved {format_bytes(self.saved_bytes)} of a {format_bytes(self.budget_bytes)} budget, "
+            "summed over blocks"
+        ]
+        for k, (plan, modules) in enumerate(groups.values(), 1):
+            classes = ", ".join(sorted({type(m).__name__ for m in modules}))
+            lines += [
+                "",
+                f"== plan {k} of {len(groups)}: {_name_ranges([self._names[m] for m in modules])} "
+                f"({len(modules)} block{'s' if len(modules) != 1 else ''}, {classes})",
+                plan.table(max_rows, fold),
+            ]
+        return "\n".join(lines)
 
     def __repr__(self):
         distinct = len({id(p) for p in self._by_block.values()})
         return (f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "
                 f"saved {self.saved_bytes} of budget {self.budget_bytes} bytes)")
+
+
+def _name_ranges(names):
+    """'layers.0', 'layers.1', 'layers.2', 'lm_head' -> 'layers.0-2, lm_head':
+    runs of consecutive numbered siblings, in the given order."""
+    runs = []  # [prefix, first, last] for numbered names, [name] otherwise
+    for name in names:
+        prefix, _, last = name.rpartition(".")
+        if last.isdigit():
+            number = int(last)
+            if runs and len(runs[-1]) == 3 and runs[-1][0] == prefix and runs[-1][2] == number - 1:
+                runs[-1][2] = number
+                continue
+            runs.append([prefix, number, number])
+        else:
+            runs.append([name])
+    parts = []
+    for run in runs:
+        if len(run) == 1:
+            parts.append(run[0])
+        else:
+            prefix, first, last = run
+            dot = f"{prefix}." if prefix else ""
+            parts.append(f"{dot}{first}" if first == last else f"{dot}{first}-{last}")
+    return ", ".join(parts)

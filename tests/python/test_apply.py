@@ -195,7 +195,7 @@ def test_budget_from_a_real_call_with_apply_sac():
     assert set(plan.plans) == {"layers.0", "layers.1", "layers.2"}
     assert len({id(p) for p in plan.plans.values()}) == 1, "identical blocks share one plan"
     assert plan.saved_bytes <= plan.budget_bytes
-    assert "== blocks layers.0, layers.1, layers.2" in plan.table()
+    assert "== plan 1 of 1: layers.0-2 (3 blocks, " in plan.table()
     ref = step(make(TitanStyle), X)
     model = make(TitanStyle)
     plan = torch_sac.policies.budget(model, X, fraction=0.5)

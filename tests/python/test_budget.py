@@ -20,8 +20,9 @@ from conftest import (
     run_model,
     sac_context_fn,
 )
-from models import MODEL_BUILDERS, Stack
-from torch_sac._op_profile import LiveStorages, profile_region
+from models import MODEL_BUILDERS, GPTBlock, Stack
+from torch_sac._budget import _name_ranges, _op_name
+from torch_sac._op_profile import LiveStorages, format_bytes, profile_region
 
 REL = 1e-7
 
@@ -368,13 +369,201 @@ def test_plan_describes_itself(gpt_plan):
     assert gpt_plan.avoided_cost == pytest.approx(sum(it.cost for it in gpt_plan.items if it.saved))
     assert gpt_plan.activation_bytes > 0 and gpt_plan.total_bytes >= gpt_plan.activation_bytes
     table = gpt_plan.table()
-    assert "aten.addmm.default" in table and "SAVE" in table and "solver exact" in table
-    assert len(table.splitlines()) == len(gpt_plan.items) + 3
-    assert "BudgetPolicy" in repr(gpt_plan)
+    assert "addmm" in table and "SAVE" in table and "exact, optimal" in table
+    # Unfolded: a title, the header and its rule, one line per call, the summary.
+    per_call = gpt_plan.table(max_rows=None, fold=False).splitlines()
+    assert len(per_call) == 3 + len(gpt_plan.items) + len(SUMMARY_TERMS)
+    assert [line.split()[1] for line in per_call[3:3 + len(gpt_plan.items)]] == [
+        _op_name(it.op) for it in gpt_plan.items]
+    assert "BudgetPolicy" in repr(gpt_plan) and "\n" not in gpt_plan.summary()
     first = gpt_plan.chosen[0]
     assert gpt_plan.is_saved(*first)
     greedy = gpt_plan.with_budget(fraction=0.5, solver="greedy")
     assert greedy.solver == "greedy" and greedy.avoided_cost <= gpt_plan.avoided_cost * (1 + 1e-9)
+
+
+# --------------------------------------------------------------------------
+# The plan's table
+# --------------------------------------------------------------------------
+
+SUMMARY_TERMS = ("budget", "saved", "activations", "everything", "avoided", "solver")
+TITLE_LINES = 4  # two lines saying what a row is, the header, its rule
+
+
+def table_rows(table, count):
+    """(op, call) of the first ``count`` rows of a folded table."""
+    return [tuple(line.split()[:2]) for line in table.splitlines()[TITLE_LINES:TITLE_LINES + count]]
+
+
+def is_view_or_in_place(op):
+    return op.is_view or op._schema.is_mutable
+
+
+def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
+    profile = gpt_plan._profile
+    record_of = {id(it): r for it, r in zip(gpt_plan.items, profile.records)}
+    rows = gpt_plan.rows
+    # Every call is in exactly one row or among the calls on outside storage.
+    placed = [id(it) for row in rows for it in row.calls] + [id(it) for it in gpt_plan.outside_calls]
+    assert sorted(placed) == sorted(id(it) for it in gpt_plan.items)
+    for row in rows:
+        # A row is headed by the call that allocated its storage...
+        head = record_of[id(row.item)]
+        assert head.new_storages and not is_view_or_in_place(row.item.op), row
+        # ... and folds calls that allocate nothing and use that storage.
+        for it in row.folded:
+            r = record_of[id(it)]
+            assert not r.new_storages and it.new_bytes == 0
+            assert set(r.storages) & set(head.new_storages), (row, it)
+        assert row.cost == pytest.approx(sum(it.cost for it in row.calls))
+        assert row.value == pytest.approx(sum(it.cost for it in row.calls if it.saveable))
+        assert row.bytes == gpt_plan._bytes_of(row.calls) == row.item.bytes
+    for it in gpt_plan.outside_calls:
+        assert not any(profile.storages[s].internal for s in record_of[id(it)].storages)
+    assert {it.op for it in gpt_plan.outside_calls} == {aten.t.default, aten.slice.Tensor}
+    # The qkv projection carries its split, the heads' views and transposes;
+    # dropout's mask its bernoulli_ and div_; a residual's branch its add_.
+    by_head = {(row.item.op, row.item.call_index): row for row in rows}
+    qkv = by_head[(aten.addmm.default, 0)]
+    assert {it.op for it in qkv.folded} == {
+        aten.split.Tensor, aten.view.default, aten.transpose.int, aten.expand.default}
+    assert len(qkv.folded) == 12
+    mask = by_head[(aten.empty_like.default, 0)]
+    assert [it.op for it in mask.folded] == [aten.bernoulli_.float, aten.div_.Scalar]
+    assert any(it.op is aten.add_.Tensor for row in rows for it in row.folded)
+    # The folded costs add up to the region's.
+    total = sum(row.cost for row in rows) + sum(it.cost for it in gpt_plan.outside_calls)
+    assert total == pytest.approx(gpt_plan.total_cost)
+    # The text: no view or in-place op heads a line; the folded ones are named.
+    table = gpt_plan.table(max_rows=None)
+    shown = table_rows(table, len(rows))
+    assert shown == [(_op_name(row.item.op), str(row.item.call_index)) for row in rows]
+    assert not {op for op, _ in shown} & {"view", "t", "transpose.int", "split.Tensor", "expand",
+                                           "_unsafe_view", "add_.Tensor", "bernoulli_.float"}
+    assert "view x4, transpose x4, expand x3, split" in table
+    assert "bernoulli_, div_" in table
+    outside = f"{len(gpt_plan.outside_calls)} op calls keep no region memory"
+    assert outside in table and "t x4, slice x2" in table
+
+
+def test_table_shows_the_most_valuable_rows(gpt_plan):
+    rows = gpt_plan.rows
+    assert all(a.value >= b.value for a, b in zip(rows, rows[1:]))
+    assert rows[0].value > rows[-1].value == 0  # dropout masks cannot be saved
+    max_rows = 5
+    assert len(rows) > max_rows
+    table = gpt_plan.table(max_rows=max_rows)
+    lines = table.splitlines()
+    assert table_rows(table, max_rows) == [
+        (_op_name(row.item.op), str(row.item.call_index)) for row in rows[:max_rows]]
+    more = lines[TITLE_LINES + max_rows]
+    hidden = rows[max_rows:]
+    hidden_cost = sum(row.cost for row in hidden)
+    assert more.startswith(f"... {len(hidden)} more rows: "
+                           f"{100 * hidden_cost / gpt_plan.total_cost:.1f}% of the cost, ")
+    # Every saved call is in a shown row, counted in that line, or among the
+    # (free) calls on outside storage.
+    hidden_saved = sum(row.saved_calls for row in hidden)
+    shown_saved = sum(row.saved_calls for row in rows[:max_rows])
+    outside_saved = sum(it.saved for it in gpt_plan.outside_calls)
+    assert (f"{hidden_saved} saved call" in more) == (hidden_saved > 0)
+    assert f"{outside_saved} saved (free)" in lines[TITLE_LINES + max_rows + 1]
+    assert shown_saved + hidden_saved + outside_saved == len(gpt_plan.chosen)
+    unsaveable = [row for row in hidden if row.value == 0 < row.cost]
+    assert f"{len(unsaveable)} of them cannot be saved" in more
+    # The default shows at most 20 rows; None shows them all.
+    assert not any(line.startswith("... ") for line in gpt_plan.table(max_rows=None).splitlines())
+    default = gpt_plan.table().splitlines()
+    assert len(default) <= TITLE_LINES + 20 + 2 + len(SUMMARY_TERMS)
+    with pytest.raises(ValueError, match="max_rows"):
+        gpt_plan.table(max_rows=-1)
+
+
+def test_table_decisions_are_the_heads(gpt_plan):
+    lines = gpt_plan.table(max_rows=None).splitlines()
+    header = lines[TITLE_LINES - 2]
+    start, end = header.index("decision"), header.index("folded into it")
+    for row, line in zip(gpt_plan.rows, lines[TITLE_LINES:]):
+        decision = line[start:end].strip()
+        assert decision.startswith("SAVE") == row.item.saved, (row, line)
+        if row.item.saved:
+            # Saving the storage lets every saveable call on it be saved too.
+            assert all(it.saved for it in row.calls if it.saveable and it.cost > 0)
+        elif not row.item.saveable:
+            assert decision.startswith(f"recompute ({row.item.why_not})")
+
+
+def test_table_summary_defines_its_terms(gpt_plan):
+    for plan in (gpt_plan, gpt_plan.with_budget(bytes=3000, solver="greedy")):
+        lines = plan.table().splitlines()[-len(SUMMARY_TERMS):]
+        assert [line.split()[0] for line in lines] == list(SUMMARY_TERMS)
+        summary = dict(zip(SUMMARY_TERMS, lines))
+        assert format_bytes(plan.budget_bytes) in summary["budget"]
+        assert f"{format_bytes(plan.saved_bytes)}, {len(plan.chosen)} of {len(plan.items)} calls" \
+            in summary["saved"]
+        assert format_bytes(plan.activation_bytes) in summary["activations"]
+        assert format_bytes(plan.total_bytes) in summary["everything"]
+        assert plan._fmt_cost(plan.avoided_cost) in summary["avoided"]
+        assert plan.solver in summary["solver"]
+        assert ("optimal" in summary["solver"]) and (
+            plan.optimal or f"within {plan._fmt_cost(plan.upper_bound - plan.avoided_cost)}"
+            in summary["solver"])
+        # One line each: the term, its value, then what it means, aligned.
+        meaning_at = {len(line) - len(line.split("  ")[-1].lstrip()) for line in lines}
+        assert len(meaning_at) == 1
+        assert all(len(line.split("  ")[-1].split()) >= 4 for line in lines)
+    assert "(50% of activations)" in gpt_plan.table()
+
+
+def test_table_of_a_view_saved_without_its_mutated_base():
+    def fn(x):
+        y = x * 2
+        y.mul_(5)
+        return y.view(-1).sin()
+
+    plan = torch_sac.policies.budget(fn, torch.randn(4, requires_grad=True), bytes=10**6, repeats=0)
+    (row,) = [row for row in plan.rows if row.folded]
+    assert row.item.op is aten.mul.Tensor and not row.item.saved
+    assert [it.op for it in row.folded] == [aten.mul_.Tensor, aten.view.default]
+    assert "recompute (output mutated in place later); SAVE 1 folded" in plan.table()
+
+
+class ShorterTail(torch.nn.Module):
+    """Four GPT blocks; the last two see half the sequence, so they need
+    another plan than the first two."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(GPTBlock() for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x if i != 2 else x[:, : x.shape[1] // 2])
+        return x
+
+
+def test_model_budget_table_shows_each_distinct_plan_once():
+    model = ShorterTail()
+    plan = torch_sac.policies.budget(model, torch.randn(2, 8, 16, requires_grad=True),
+                                     fraction=0.5, repeats=0)
+    plans = plan.plans
+    assert plans["layers.0"] is plans["layers.1"] is not plans["layers.2"] is plans["layers.3"]
+    table = plan.table(max_rows=6)
+    assert table.splitlines()[0] == (
+        f"4 blocks, 2 distinct plans; saved {format_bytes(plan.saved_bytes)} of a "
+        f"{format_bytes(plan.budget_bytes)} budget, summed over blocks")
+    first, second = table.split("\n\n")[1:]
+    assert first.startswith("== plan 1 of 2: layers.0-1 (2 blocks, GPTBlock)\n")
+    assert second.startswith("== plan 2 of 2: layers.2-3 (2 blocks, GPTBlock)\n")
+    assert first.split("\n", 1)[1] == plans["layers.0"].table(max_rows=6)
+    assert second.split("\n", 1)[1] == plans["layers.2"].table(max_rows=6)
+    assert plan.table(fold=False).count("in region order") == 2
+
+
+def test_block_names_are_shown_as_ranges():
+    assert _name_ranges(["layers.0", "layers.1", "layers.2", "lm_head"]) == "layers.0-2, lm_head"
+    assert _name_ranges(["h.0", "h.2", "h.3", "g.4", "5", "6"]) == "h.0, h.2-3, g.4, 5-6"
 
 
 def test_profiling_restores_the_rng_and_leaves_no_state():
