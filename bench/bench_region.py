@@ -25,8 +25,11 @@ Every variant checkpoints each block separately:
 
 Activation memory is measured with torch_sac's counting CPU allocator: bytes
 still allocated after forward minus before (the loss, a scalar, aside);
-peak is the highest level during forward + backward above the level before
-forward. Step time is the median over rounds (variants interleaved round
+"saved" is no checkpointing's activation memory minus the variant's; for the
+region variants, "dropped" is the bytes of outputs the regions did not hold
+(``sac_context.stats()["dropped_bytes"]``), which is not a saving: autograd
+would not have kept all of them. Peak is the highest level during forward +
+backward above the level before forward. Step time is the median over rounds (variants interleaved round
 robin). Gradients of every variant are checked against the reference.
 
 Usage::
@@ -104,10 +107,16 @@ def ours_contexts(block, x):
     return checkpoint(block, x, use_reentrant=False, context_fn=ctx)
 
 
+# The regions of the current step (for their dropped bytes).
+REGIONS = []
+
+
 def ours_region(policy_factory):
     def run(block, x):
-        with torch_sac.sac_context(policy_factory()):
-            return block(x)
+        with torch_sac.sac_context(policy_factory()) as region:
+            out = block(x)
+        REGIONS.append(region)
+        return out
 
     return run
 
@@ -123,10 +132,12 @@ VARIANTS = {
 
 
 def step(blocks, x, run_block, seed):
-    """One forward + backward; returns (activation bytes, peak bytes, grads)."""
+    """One forward + backward; returns (activation bytes, peak bytes, grads,
+    bytes the regions dropped or None without regions)."""
     for p in blocks.parameters():
         p.grad = None
     x.grad = None
+    REGIONS.clear()
     torch.manual_seed(seed)
     with torch_sac.memory.track() as whole:
         with torch_sac.memory.track() as fwd:
@@ -138,21 +149,23 @@ def step(blocks, x, run_block, seed):
         loss.backward()
     del h, loss
     grads = [x.grad] + [p.grad for p in blocks.parameters()]
-    return activation, whole.peak, grads
+    dropped = sum(r.stats()["dropped_bytes"] for r in REGIONS) if REGIONS else None
+    REGIONS.clear()
+    return activation, whole.peak, grads, dropped
 
 
 def measure(name, rounds, quick):
     blocks, x = build(name, quick)
-    _, _, ref = step(blocks, x, plain, seed=1)
-    results = {v: {"time": [], "act": None, "peak": None, "exact": None} for v in VARIANTS}
+    _, _, ref, _ = step(blocks, x, plain, seed=1)
+    results = {v: {"time": [], "act": None, "peak": None, "exact": None, "dropped": None} for v in VARIANTS}
     for r in range(rounds + 1):  # round 0 warms up
         for vname, run_block in VARIANTS.items():
             start = time.perf_counter()
-            act, peak, grads = step(blocks, x, run_block, seed=1)
+            act, peak, grads, dropped = step(blocks, x, run_block, seed=1)
             elapsed = time.perf_counter() - start
             res = results[vname]
             if r == 0:
-                res["act"], res["peak"] = act, peak
+                res["act"], res["peak"], res["dropped"] = act, peak, dropped
                 res["exact"] = all(torch.equal(a, b) for a, b in zip(grads, ref))
             else:
                 res["time"].append(elapsed)
@@ -163,20 +176,26 @@ def report(name, results):
     torch_sac_ref = results["torch SAC, matmuls"]
     ref_time = statistics.median(torch_sac_ref["time"])
     base = statistics.median(results["no checkpointing"]["time"])
+    none_act = results["no checkpointing"]["act"]
     print(f"\n== {name}")
     header = (
         f"{'variant':<34} {'step ms':>8} {'vs none':>8} {'vs torch SAC':>13} "
-        f"{'act KiB':>9} {'vs torch SAC':>13} {'peak KiB':>9} {'grads exact':>12}"
+        f"{'act KiB':>9} {'vs torch SAC':>13} {'saved KiB':>10} {'dropped KiB':>12} "
+        f"{'peak KiB':>9} {'grads exact':>12}"
     )
     print(header)
     print("-" * len(header))
     for vname, res in results.items():
         t = statistics.median(res["time"])
+        dropped = "-" if res["dropped"] is None else f"{res['dropped'] / 1024:.0f}"
         print(
             f"{vname:<34} {1e3 * t:>8.2f} {t / base:>7.2f}x {t / ref_time:>12.2f}x "
             f"{res['act'] / 1024:>9.0f} {res['act'] / max(torch_sac_ref['act'], 1):>12.2f}x "
+            f"{(none_act - res['act']) / 1024:>10.0f} {dropped:>12} "
             f"{res['peak'] / 1024:>9.0f} {str(res['exact']):>12}"
         )
+    print("saved: no checkpointing's act minus the variant's; dropped: bytes of outputs the "
+          "regions did not hold (not a saving)")
     ours = results["torch_sac region, matmuls"]
     t_ours = statistics.median(ours["time"])
     print(

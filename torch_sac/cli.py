@@ -6,8 +6,11 @@ same batch with the same dropout seed: a warm-up, ``--steps`` timed steps
 (variants interleaved round robin, so machine load hits all alike) and one
 step with per-op memory sampling and FLOP counting (``torch_sac.profile``).
 The table compares activation memory (bytes live at the end of forward minus
-before it), peak memory over the step, the median step time, what backward
-replayed and the gradients against the run without checkpointing.
+before it), the memory each policy saved against no checkpointing (``none``'s
+activations minus the policy's), the bytes the regions dropped (outputs they
+did not hold: not a saving, since autograd would not have kept all of them),
+peak memory over the step, the median step time, what backward replayed and
+the gradients against the run without checkpointing.
 
 Policies (``--policies``, comma-separated):
 
@@ -239,6 +242,8 @@ def _run(args, out):
             r["step_ns"].append(t["step_ns"])
             r["activation_bytes"] = t["activation_bytes"]
             r["peak_bytes"] = t["peak_bytes"]
+            # Outputs the regions did not hold; None without regions.
+            r["dropped_bytes"] = t["dropped_bytes"] if t["regions"] else None
     profiles = {}
     ref_grads = None
     for n in names:
@@ -262,6 +267,9 @@ def _run(args, out):
     for n in names:
         r, t = results[n], profiles[n].totals
         r["step_ms_median"] = statistics.median(r["step_ns"]) / 1e6
+        # What checkpointing saved: no checkpointing's activations minus this
+        # policy's (unlike dropped_bytes, a real saving).
+        r["saved_vs_none_bytes"] = results["none"]["activation_bytes"] - r["activation_bytes"]
         if n == "torch_checkpoint":
             # Its recompute re-runs the blocks in backward, where the profile
             # counts it: the extra backward FLOPs are the recompute.
@@ -341,8 +349,8 @@ def _run(args, out):
 
 def _print_table(results, names, out):
     base = results["none"]
-    header = ["policy", "activations", "vs none", "peak", "step ms", "vs none",
-              "replayed", "replay ms", "recompute FLOPs", "grad max|diff|"]
+    header = ["policy", "activations", "vs none", "saved vs none", "dropped (not held)", "peak",
+              "step ms", "vs none", "replayed", "replay ms", "recompute FLOPs", "grad max|diff|"]
     rows = [header]
     for n in names:
         r = results[n]
@@ -355,6 +363,8 @@ def _print_table(results, names, out):
             n,
             format_bytes(r["activation_bytes"]),
             f"{r['activation_bytes'] / base['activation_bytes']:.2f}x",
+            format_bytes(r["saved_vs_none_bytes"]),
+            format_bytes(r["dropped_bytes"]),
             format_bytes(r["peak_bytes"]),
             f"{r['step_ms_median']:.1f}",
             f"{r['step_ms_median'] / base['step_ms_median']:.2f}x",
@@ -369,12 +379,16 @@ def _print_table(results, names, out):
         out("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         if i == 0:
             out("  ".join("-" * w for w in widths))
-    out(
-        "activations: bytes live at the end of forward minus before it; peak: over forward + "
-        "backward; step: median wall time of forward + backward; recompute FLOPs: matmul/"
-        "attention FLOPs replayed (~: estimated from per-op replay counts), for "
-        "torch_checkpoint the extra backward FLOPs"
-    )
+    for line in (
+        "activations: bytes live at the end of forward minus before it; saved vs none: none's "
+        "activations minus the policy's",
+        "dropped (not held): bytes of outputs the regions did not hold (- without regions); not a "
+        "saving: autograd would not have kept all of them",
+        "peak: over forward + backward; step: median wall time of forward + backward",
+        "recompute FLOPs: matmul/attention FLOPs replayed (~: estimated from per-op replay counts), "
+        "for torch_checkpoint the extra backward FLOPs",
+    ):
+        out(line)
 
 
 def plot_tradeoff(results, names, profiles, path, args=None):

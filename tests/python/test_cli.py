@@ -3,6 +3,7 @@ as a subprocess."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import torch
 
 from conftest import REPO_ROOT
 from torch_sac import cli
+from torch_sac._op_profile import format_bytes
 
 TINY = ["--blocks", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "32",
         "--steps", "1"]
@@ -44,6 +46,27 @@ def test_all_policies_end_to_end(tmp_path, capsys):
         # scalars the regions keep (8 bytes each; see test_profile.py).
         assert 0 <= r["sampled_activation_bytes"] - r["activation_bytes"] <= 64, name
         assert 0 <= r["sampled_peak_bytes"] - r["peak_bytes"] <= 64, name
+    # "saved vs none" is the real saving: none's activations minus the
+    # policy's; "dropped (not held)" is what the regions did not hold, which
+    # is not read as saved (only policies with regions have it).
+    lines = out.splitlines()
+    table = _table(lines, next(i for i, line in enumerate(lines) if line.startswith("policy ")), len(results))
+    assert list(table) == list(results)
+    assert "not a saving" in out
+    for name, r in results.items():
+        assert r["saved_vs_none_bytes"] == results["none"]["activation_bytes"] - r["activation_bytes"], name
+        cells = table[name]
+        assert cells["activations"] == format_bytes(r["activation_bytes"]), (name, cells)
+        assert cells["saved vs none"] == format_bytes(r["saved_vs_none_bytes"]), (name, cells)
+        if name in ("none", "torch_checkpoint"):
+            assert r["dropped_bytes"] is None and cells["dropped (not held)"] == "-", (name, cells)
+        else:
+            assert r["dropped_bytes"] > 0, name
+            assert cells["dropped (not held)"] == format_bytes(r["dropped_bytes"]), (name, cells)
+    assert results["none"]["saved_vs_none_bytes"] == 0
+    # Dropped is not saved: recompute_all's regions drop more than
+    # checkpointing saves (they also drop outputs autograd never kept).
+    assert results["recompute_all"]["dropped_bytes"] > results["recompute_all"]["saved_vs_none_bytes"] > 0
     none, full = results["none"], results["recompute_all"]
     assert full["activation_bytes"] < results["save_matmuls"]["activation_bytes"] < none["activation_bytes"]
     assert results["torch_checkpoint"]["recompute_flops"] > 0
@@ -52,6 +75,15 @@ def test_all_policies_end_to_end(tmp_path, capsys):
         b = results[f"budget-{f}"]["budget"]
         assert b["within_bound"] and b["planned_bytes_per_block"] <= b["budget_bytes_per_block"]
     assert set(data["profiles"]) == set(results)
+
+
+def _table(lines, top, n_rows):
+    """The comparison table starting at ``lines[top]`` as {policy: {title:
+    cell}}; the dashed line under the titles gives each column's span."""
+    spans = [m.span() for m in re.finditer(r"-+", lines[top + 1])]
+    titles = [lines[top][a:b].strip() for a, b in spans]
+    rows = [[line[a:b].strip() for a, b in spans] for line in lines[top + 2:top + 2 + n_rows]]
+    return {row[0]: dict(zip(titles, row)) for row in rows}
 
 
 def test_policy_subset_adds_references_and_skips_plot(tmp_path, capsys, monkeypatch):
