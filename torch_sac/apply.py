@@ -12,7 +12,7 @@ import torch.utils.checkpoint as tc
 from . import _compile
 from ._policy_conversion import as_op_policy
 from .contexts import create_selective_checkpoint_contexts
-from .region import sac_context
+from .region import _check_replay_budget, sac_context
 
 __all__ = ["apply_sac", "SacHandle"]
 
@@ -160,7 +160,8 @@ class SacHandle:
         self._last[self._names[module]] = ctx
 
 
-def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mutation=False):
+def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mutation=False,
+              replay_budget=None):
     """Runs the forward of each selected module of ``model`` under selective
     activation checkpointing, in place; the counterpart of PyTorch's
     ``apply_activation_checkpointing``.
@@ -184,6 +185,9 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
             or ``"dropin"`` (``torch.utils.checkpoint.checkpoint`` with
             torch_sac's contexts: backward re-runs the module's forward).
         allow_cache_entry_mutation (bool): as for ``sac_context``.
+        replay_budget (int, optional): as for ``sac_context``, for each
+            module's region (``engine="region"`` only). Useful when the
+            selected module is large (the whole model, or a stage of it).
 
     Returns:
         :class:`SacHandle`: ``stats()``, ``op_details()`` per module of its
@@ -206,6 +210,11 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
     """
     if engine not in _ENGINES:
         raise ValueError(f"torch_sac.apply_sac: engine must be one of {_ENGINES}, got {engine!r}")
+    _check_replay_budget(replay_budget, "apply_sac")
+    if replay_budget is not None and engine != "region":
+        raise ValueError(
+            "torch_sac.apply_sac: replay_budget needs engine='region' (the drop-in re-runs each "
+            "module's forward once in backward, as torch.utils.checkpoint does)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}")
     selected = _select(model, modules)
@@ -223,19 +232,23 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
         had_own = "forward" in module.__dict__
         handle._originals[module] = (had_own, module.__dict__.get("forward"))
         original = module.forward
-        module.forward = _wrap(module, original, op_policy, engine, allow_cache_entry_mutation, handle)
+        module.forward = _wrap(module, original, op_policy, engine, allow_cache_entry_mutation,
+                               replay_budget, handle)
     return handle
 
 
-def _wrap(module, original, policy, engine, allow, handle):
+def _wrap(module, original, policy, engine, allow, replay_budget, handle):
     @functools.wraps(original)
     def forward(*args, **kwargs):
         if not module.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
+            if replay_budget is not None:
+                _compile.warn_replay_budget_ignored()
             return _compile.checkpoint_when_compiling(original, args, kwargs, policy, allow)
         if engine == "region":
-            with sac_context(policy, allow_cache_entry_mutation=allow) as region:
+            with sac_context(policy, allow_cache_entry_mutation=allow,
+                             replay_budget=replay_budget) as region:
                 out = original(*args, **kwargs)
             handle._record(module, region)
             return out

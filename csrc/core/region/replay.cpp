@@ -262,28 +262,104 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
   if (replay_budget_ == kNoReplayBudget) {
     return std::nullopt;
   }
-  std::vector<MemoCandidate> candidates;
-  std::vector<int32_t> candidate_storages;
+  const auto m = static_cast<int32_t>(plan.entries.size());
+  // Where each storage the plan rebuilds is made and last read in it, and
+  // which of them autograd will unpack later (the candidates).
+  std::unordered_map<int32_t, int32_t> made_at;
+  std::unordered_map<int32_t, int32_t> last_read_at;
+  std::vector<int32_t> candidates;  // in the order the plan makes them
+  std::unordered_set<int32_t> is_candidate;
+  std::vector<double> cost_through(m);
   double cost = 0;
-  for (int32_t e : plan.entries) {
+  for (int32_t i = 0; i < m; ++i) {
+    const Entry& entry = entries_[plan.entries[i]];
     // Every replayed op costs something, even one too fast to time.
-    cost += static_cast<double>(std::max<int64_t>(entries_[e].cost_ns, 1));
-    for (const auto& [position, s] : entries_[e].produced) {
+    cost += static_cast<double>(std::max<int64_t>(entry.cost_ns, 1));
+    cost_through[i] = cost;
+    for (const ArgSlot& slot : entry.slots) {
+      if (!slot.held.defined() && made_at.count(slot.storage)) {
+        last_read_at[slot.storage] = i;
+      }
+    }
+    for (const auto& [position, s] : entry.produced) {
+      made_at.emplace(s, i);
       const auto rebuilt = plan.states.find(s);
       const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
       if (s != target && worth_memoising(s, state)) {
-        candidates.push_back({cost, storages_[s].nbytes});
-        candidate_storages.push_back(s);
+        candidates.push_back(s);
+        is_candidate.insert(s);
       }
+    }
+  }
+  // Cuts: after op p, the storages made at or before p and read after it.
+  // A cut is a checkpoint only if all of them are candidates (the returned
+  // tensor is held anyway and costs nothing more).
+  std::vector<std::vector<int32_t>> made(m), done(m);
+  for (const auto& [s, last] : last_read_at) {
+    made[made_at.at(s)].push_back(s);
+    done[last].push_back(s);
+  }
+  auto bytes_of = [&](int32_t s) { return s == target ? int64_t{0} : storages_[s].nbytes; };
+  std::vector<ReplayCut> cuts;
+  std::vector<int32_t> cut_after;
+  int64_t crossing_bytes = 0;
+  int32_t crossing = 0;
+  int32_t crossing_unkeepable = 0;
+  for (int32_t p = 0; p + 1 < m; ++p) {
+    for (int32_t s : made[p]) {
+      crossing_bytes += bytes_of(s);
+      ++crossing;
+      crossing_unkeepable += (s != target && !is_candidate.count(s)) ? 1 : 0;
+    }
+    for (int32_t s : done[p]) {
+      crossing_bytes -= bytes_of(s);
+      --crossing;
+      crossing_unkeepable -= (s != target && !is_candidate.count(s)) ? 1 : 0;
+    }
+    if (crossing > 0 && crossing_unkeepable == 0) {
+      cuts.push_back({cost_through[p], crossing_bytes});
+      cut_after.push_back(p);
     }
   }
   // The tensor being rebuilt is returned to autograd, and counts.
   const int64_t free_bytes = replay_budget_ - strong_memo_bytes() - storages_[target].nbytes;
-  const std::vector<bool> keep = choose_memos(candidates, free_bytes);
   std::unordered_set<int32_t> allowed;
-  for (size_t i = 0; i < keep.size(); ++i) {
-    if (keep[i]) {
-      allowed.insert(candidate_storages[i]);
+  const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes);
+  if (!chosen.empty()) {
+    // Sweep again, collecting what crosses each chosen cut.
+    std::unordered_set<int32_t> live;
+    size_t next = 0;
+    for (int32_t p = 0; p + 1 < m && next < chosen.size(); ++p) {
+      live.insert(made[p].begin(), made[p].end());
+      for (int32_t s : done[p]) {
+        live.erase(s);
+      }
+      if (p == cut_after[chosen[next]]) {
+        allowed.insert(live.begin(), live.end());
+        ++next;
+      }
+    }
+    allowed.erase(target);
+  }
+  int64_t used = 0;
+  for (int32_t s : allowed) {
+    used += storages_[s].nbytes;
+  }
+  // The tail autograd unpacks next, as far back as the rest allows.
+  for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
+    if (allowed.count(*it)) {
+      continue;
+    }
+    if (used + storages_[*it].nbytes > free_bytes) {
+      break;
+    }
+    allowed.insert(*it);
+    used += storages_[*it].nbytes;
+  }
+  // Empty tensors cost nothing to keep.
+  for (int32_t s : candidates) {
+    if (storages_[s].nbytes == 0) {
+      allowed.insert(s);
     }
   }
   return allowed;

@@ -1,0 +1,236 @@
+"""The region's replay budget: at most ``replay_budget`` bytes of rebuilt
+tensors held in backward, the rest rebuilt again when unpacked (multiple
+recomputation), gradients unchanged.
+
+Exactness is checked bitwise against plain autograd; the number of
+recomputed steps against an exact dynamic program for chains
+(chain_oracle.py), written independently of the engine."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_sac
+import torch_sac.memory
+from chain_oracle import min_steps
+from torch_sac.models import TinyGPT
+
+RECOMPUTE_ALL = torch_sac.policies.recompute_all
+
+
+def tanh_chain(n, width=64, batch=32, seed=0):
+    """x_i = tanh(linear_i(x_{i-1})): each step saves one tensor of the same
+    size (tanh's output, read by its own backward and the next addmm's)."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(width, width) for _ in range(n)]
+    x = torch.randn(batch, width, requires_grad=True)
+
+    def forward():
+        h = x
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        return h
+
+    return layers, x, forward, batch * width * 4
+
+
+def grads(layers, x):
+    out = [p.grad.clone() for layer in layers for p in layer.parameters()] + [x.grad.clone()]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    x.grad = None
+    return out
+
+
+def assert_bitwise(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"gradient {i} differs"
+
+
+def tanh_replays(region):
+    (row,) = [r for r in region.op_details() if r["op"] == "aten::tanh.default"]
+    return row
+
+
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 8])
+def test_chain_is_exact_within_budget_and_near_optimal(n, slots):
+    layers, x, forward, size = tanh_chain(n)
+    forward().sum().backward()
+    want = grads(layers, x)
+    budget = slots * size
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=budget) as region:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    stats = region.stats()
+    assert 0 < stats["peak_memo_bytes"] <= budget
+    row = tanh_replays(region)
+    # The region's output is still alive: backward first asks for x_{n-1},
+    # so the chain to reverse has n-1 steps.
+    best = min_steps(n - 1, slots)
+    assert row["replayed"] >= best, "fewer replays than the proven optimum: miscounted"
+    # The gap to the optimum measured in bench/bench_recompute.py is at most
+    # 1.4x for these sizes (2 slots is the worst case: docs/design.md).
+    assert row["replayed"] <= 1.5 * best
+    if min_steps(n - 1, slots) > n - 1:
+        # Some step had to be recomputed more than once.
+        assert max(row["replays_by_call"]) > 1
+        assert stats["memos_skipped"] > 0
+
+
+def test_without_budget_every_step_replays_once():
+    layers, x, forward, size = tanh_chain(12)
+    with torch_sac.sac_context(RECOMPUTE_ALL()) as region:
+        out = forward()
+    out.sum().backward()
+    assert tanh_replays(region)["replays_by_call"] == [1] * 11 + [0]
+    assert region.stats()["memos_skipped"] == 0
+    # The first unpack rebuilt and kept the whole chain.
+    assert region.stats()["peak_memo_bytes"] >= 11 * size
+
+
+def test_budget_large_enough_changes_nothing():
+    layers, x, forward, size = tanh_chain(12)
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=100 * size) as region:
+        out = forward()
+    out.sum().backward()
+    assert tanh_replays(region)["replays_by_call"] == [1] * 11 + [0]
+    assert region.stats()["memos_skipped"] == 0
+
+
+def test_zero_budget_holds_only_the_tensor_handed_over():
+    layers, x, forward, size = tanh_chain(10)
+    forward().sum().backward()
+    want = grads(layers, x)
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=0) as region:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    assert region.stats()["peak_memo_bytes"] == size
+    # Every unpack starts again from the region's input: 9 + 8 + ... + 1.
+    assert tanh_replays(region)["replayed"] == min_steps(9, 1) == 45
+
+
+def tiny_gpt(depth):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=64, heads=4, depth=depth, dropout=0.1)
+    tokens = torch.randint(0, 64, (4, 64))
+    return model, tokens
+
+
+def gpt_step(model, tokens, region_kwargs=None):
+    """One step, the whole model in one region when region_kwargs is given;
+    returns (grads, region, peak bytes of the step above its start)."""
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    with torch_sac.memory.track() as mem:
+        if region_kwargs is None:
+            region = None
+            logits = model(tokens)
+        else:
+            with torch_sac.sac_context(RECOMPUTE_ALL(), **region_kwargs) as region:
+                logits = model(tokens)
+        logits.float().logsumexp(-1).mean().backward()
+        del logits
+    return [p.grad.clone() for p in model.parameters()], region, mem.peak
+
+
+def test_whole_model_in_one_region_runs_in_less_memory_and_exactly():
+    torch_sac.memory.install_counting_allocator()
+    model, tokens = tiny_gpt(depth=8)
+    gpt_step(model, tokens)  # warm-up: first-call allocations
+    want, _, plain_peak = gpt_step(model, tokens)
+    unbudgeted, region, unbudgeted_peak = gpt_step(model, tokens, {})
+    assert_bitwise(unbudgeted, want)
+    full_memo = region.stats()["peak_memo_bytes"]
+    budget = full_memo // 4
+    got, region, peak = gpt_step(model, tokens, {"replay_budget": budget})
+    assert_bitwise(got, want)
+    stats = region.stats()
+    assert stats["peak_memo_bytes"] <= budget
+    assert stats["memos_skipped"] > 0
+    # What the budget keeps out of memory shows in the step's peak.
+    assert peak < unbudgeted_peak - (full_memo - budget) // 2
+    assert peak < plain_peak
+
+
+def test_second_backward_with_retain_graph_is_exact():
+    layers, x, forward, size = tanh_chain(8)
+    out = forward()
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    want = grads(layers, x)
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=2 * size):
+        out = forward()
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+
+
+def test_checkpoint_takes_a_replay_budget():
+    layers, x, forward, size = tanh_chain(8)
+    forward().sum().backward()
+    want = grads(layers, x)
+    out = torch_sac.checkpoint(forward, policy=RECOMPUTE_ALL(), replay_budget=size)
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+
+
+def test_saved_outputs_are_checkpoints_for_free():
+    """Outputs the policy saves are held anyway: replays start there, and a
+    budget does not change what is saved."""
+    layers, x, forward, size = tanh_chain(12)
+    forward().sum().backward()
+    want = grads(layers, x)
+    policy = torch_sac.policies.every_nth([torch.ops.aten.tanh.default], 4)
+    with torch_sac.sac_context(policy, replay_budget=size) as region:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    assert max(tanh_replays(region)["replays_by_call"]) <= 3
+
+
+@pytest.mark.parametrize("bad, error", [
+    (-1, ValueError), (1.5, TypeError), (True, TypeError), ("1MiB", TypeError),
+])
+def test_bad_replay_budget_raises(bad, error):
+    with pytest.raises(error, match="replay_budget"):
+        torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=bad)
+    with pytest.raises(error, match="replay_budget"):
+        torch_sac.checkpoint(torch.sin, torch.ones(2), policy=RECOMPUTE_ALL(), replay_budget=bad)
+
+
+def test_budget_on_a_nested_region_raises_and_leaves_the_outer_one_working():
+    layers, x, forward, size = tanh_chain(4)
+    forward().sum().backward()
+    want = grads(layers, x)
+    with torch_sac.sac_context(RECOMPUTE_ALL()):
+        with pytest.raises(ValueError, match="outermost region"):
+            with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=0):
+                pass
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+
+
+def test_apply_sac_passes_the_budget_to_each_region():
+    model, tokens = tiny_gpt(depth=2)
+    want, _, _ = gpt_step(model, tokens)
+    handle = torch_sac.apply_sac(model, RECOMPUTE_ALL(), modules=lambda m: m is model,
+                                 replay_budget=0)
+    try:
+        got, _, _ = gpt_step(model, tokens)
+    finally:
+        stats = handle.stats()["total"]
+        handle.remove()
+    assert_bitwise(got, want)
+    assert stats["memos_skipped"] > 0
+
+
+def test_apply_sac_budget_needs_the_region_engine():
+    model, _ = tiny_gpt(depth=2)
+    with pytest.raises(ValueError, match="engine='region'"):
+        torch_sac.apply_sac(model, RECOMPUTE_ALL(), engine="dropin", replay_budget=0)
+    assert "forward" not in model.blocks[0].__dict__
