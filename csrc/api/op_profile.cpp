@@ -33,6 +33,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+int64_t nanoseconds_since(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+}
+
 // The storage behind `t` as the region identifies it; tensors without one
 // (sparse, nested) count as a storage of their own.
 const void* storage_key(const at::Tensor& t) {
@@ -132,7 +136,7 @@ class Profiler final : public OpHandler {
     auto start = Clock::now();
     run(stack);
     synchronize(inputs);
-    std::vector<int64_t> elapsed{(Clock::now() - start).count()};
+    std::vector<int64_t> elapsed{nanoseconds_since(start)};
 
     const size_t num_returns = op.schema().returns().size();
     const c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
@@ -162,7 +166,7 @@ class Profiler final : public OpHandler {
         start = Clock::now();
         run(&replay);
         synchronize(inputs);
-        elapsed.push_back((Clock::now() - start).count());
+        elapsed.push_back(nanoseconds_since(start));
       }
     }
     ProfiledCall call(op);
