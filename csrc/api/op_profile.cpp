@@ -130,7 +130,11 @@ class Profiler final : public OpHandler {
     // A storage an op reads before any op in the region produced it comes
     // from outside the region.
     for (const c10::IValue& v : inputs) {
-      for_each_tensor(v, [&](const at::Tensor& t) { storage_of(t, /*internal=*/false); });
+      for_each_tensor(v, [&](const at::Tensor& t) {
+        if (t.defined()) {  // an absent Tensor? argument may be boxed as undefined
+          storage_of(t, /*internal=*/false);
+        }
+      });
     }
     synchronize(inputs);
     auto start = Clock::now();

@@ -252,7 +252,7 @@ TEST(BudgetAccounting, ViewsShareTheirBaseStorageAndOutsideStoragesAreFree) {
   EXPECT_EQ(p.activation_bytes, 2 * n);
 }
 
-TEST(BudgetAccounting, FlopsCountMatrixMultipliesOnly) {
+TEST(BudgetAccounting, FlopsCountMatrixMultipliesAndConvolutionsOnly) {
   const auto a = at::randn({8, 16}).requires_grad_();
   const auto b = at::randn({16, 4}).requires_grad_();
   const auto bias = at::randn({16}).requires_grad_();
@@ -270,6 +270,15 @@ TEST(BudgetAccounting, FlopsCountMatrixMultipliesOnly) {
   EXPECT_TRUE(mm->saved);
   EXPECT_FALSE(relu->saved) << "worth nothing";
   EXPECT_NE(p.summary().find("FLOP"), std::string::npos) << p.summary();
+
+  // flop_counter's conv_flop_count: 2 * batch * c_out * c_in * kernel * output positions.
+  const auto image = at::randn({2, 3, 8, 8}).requires_grad_();
+  const auto filters = at::randn({4, 3, 3, 3}).requires_grad_();
+  const BudgetPlan conv = policies::budget(
+      [&] { return at::conv2d(image, filters); }, {.bytes = 1 << 20, .cost = Cost::Flops});
+  const PlannedCall* convolution = find_call(conv, "aten::convolution");
+  ASSERT_NE(convolution, nullptr);
+  EXPECT_EQ(convolution->cost, 2.0 * 2 * 4 * 3 * 3 * 3 * 6 * 6);
 }
 
 TEST_F(Budget, BadOptionsRaiseValueErrorWithoutRunningFn) {
