@@ -4,10 +4,14 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
+#include <vector>
 
+#include "csrc/core/detached_alias.h"
 #include "csrc/core/region/region.h"
+#include "csrc/core/tensor_version.h"
 
 namespace torch_sac::api {
 namespace {
@@ -39,8 +43,50 @@ class RegionSavedVariableHooks final : public SavedVariableHooks {
   region::SavedActivation saved_;
 };
 
-// The base engine plus default saved-variable hooks while a region is active
-// on the thread saving the tensor. Everything else is the base engine's.
+using Observe = std::function<void(const at::Tensor&)>;
+
+// SavedTensorObservers alive on this thread, innermost last.
+thread_local std::vector<const Observe*> tls_observers;
+
+// A saved tensor shown to an observer, then held as autograd holds it.
+class ObservedSavedVariableHooks final : public SavedVariableHooks {
+ public:
+  explicit ObservedSavedVariableHooks(const Observe* observe) : observe_(observe) {}
+
+  void call_pack_hook(const at::Tensor& tensor) override {
+    // Autograd packs right after asking for the hooks, on the same thread,
+    // while the observer is alive; it may be gone by the time of unpack.
+    (*observe_)(tensor);
+    observe_ = nullptr;
+    // Without its autograd metadata: an op's output holds its node, which
+    // holds these hooks (no reference cycle, as the region's pack).
+    saved_ = detached_alias(tensor);
+    version_counter_ = tensor.unsafeGetTensorImpl()->version_counter();
+    version_ = current_version(version_counter_);
+  }
+
+  at::Tensor call_unpack_hook() override {
+    // Autograd skips its own version check when hooks hold the tensor.
+    const uint32_t now = current_version(version_counter_);
+    TORCH_CHECK(
+        now == version_,
+        "one of the variables needed for gradient computation has been modified by an "
+        "inplace operation: a tensor of shape ", saved_.sizes(), " is at version ", now,
+        "; expected version ", version_, " instead. (torch_sac: it was saved for backward "
+        "while torch_sac::policies::budget profiled the region.)");
+    return saved_;
+  }
+
+ private:
+  const Observe* observe_;
+  at::Tensor saved_;
+  c10::VariableVersion version_counter_;
+  uint32_t version_ = 0;
+};
+
+// The base engine plus default saved-variable hooks while a region (or a
+// SavedTensorObserver) is active on the thread saving the tensor.
+// Everything else is the base engine's.
 class RegionAwareEngine final : public Engine {
  public:
   static Engine& get() {
@@ -52,10 +98,13 @@ class RegionAwareEngine final : public Engine {
 
   std::unique_ptr<SavedVariableHooks> get_default_saved_variable_hooks() override {
     std::shared_ptr<region::Region> region = region_for_saved_tensors();
-    if (!region) {
-      return nullptr;
+    if (region) {
+      return std::make_unique<RegionSavedVariableHooks>(std::move(region));
     }
-    return std::make_unique<RegionSavedVariableHooks>(std::move(region));
+    if (!tls_observers.empty()) {
+      return std::make_unique<ObservedSavedVariableHooks>(tls_observers.back());
+    }
+    return nullptr;
   }
 
  private:
@@ -98,6 +147,14 @@ void install_region_autograd_hooks() {
       "API (torch_sac.sac_context), which uses torch.autograd.graph.saved_tensors_hooks.");
   torch::autograd::set_default_engine_stub(&RegionAwareEngine::get);
   installed = true;
+}
+
+SavedTensorObserver::SavedTensorObserver(Observe observe) : observe_(std::move(observe)) {
+  tls_observers.push_back(&observe_);
+}
+
+SavedTensorObserver::~SavedTensorObserver() {
+  tls_observers.erase(std::find(tls_observers.begin(), tls_observers.end(), &observe_));
 }
 
 bool region_autograd_hooks_installed() {

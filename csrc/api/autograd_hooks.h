@@ -15,6 +15,9 @@
 // when the default engine is not the base engine, and the Python extension
 // does not link this code at all.
 
+#include <ATen/core/Tensor.h>
+
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,5 +37,21 @@ bool region_autograd_hooks_installed();
 // Defined by the context stack (sac_context.cpp): the region whose hooks
 // autograd should use for a tensor saved on this thread now, or nullptr.
 std::shared_ptr<region::Region> region_for_saved_tensors();
+
+// RAII: while alive, every tensor autograd saves on this thread outside a
+// region is shown to `observe` as it is packed, and autograd keeps it as it
+// would without hooks (checking its version on unpack as autograd does).
+// The budget profiler measures activation memory with it, as Python's does
+// with saved_tensors_hooks. Nests; the innermost observer sees the tensors.
+class SavedTensorObserver {
+ public:
+  explicit SavedTensorObserver(std::function<void(const at::Tensor&)> observe);
+  ~SavedTensorObserver();
+  SavedTensorObserver(const SavedTensorObserver&) = delete;
+  SavedTensorObserver& operator=(const SavedTensorObserver&) = delete;
+
+ private:
+  std::function<void(const at::Tensor&)> observe_;
+};
 
 } // namespace torch_sac::api

@@ -2,9 +2,11 @@
 //
 // A small GPT (token and position embeddings, pre-norm blocks with causal
 // self-attention, dropout and an MLP) is trained a few steps with one
-// torch_sac region per block, under three policies: recompute_all,
-// save_matmuls and a C++ lambda that recomputes only the attention core
-// (marked with a NameScope). Each step runs the same model without
+// torch_sac region per block, under four policies: recompute_all,
+// save_matmuls, a C++ lambda that recomputes only the attention core
+// (marked with a NameScope), and a memory-budget plan (policies::budget:
+// one block profiled once, the op calls worth the most recompute saved
+// within half its activation memory). Each step runs the same model without
 // checkpointing on the same batch and dropout seed and checks that every
 // gradient is bitwise equal; the exit status is 1 if one differs.
 //
@@ -202,20 +204,29 @@ int main() {
         return in_core ? torch_sac::Policy::PreferRecompute : torch_sac::Policy::PreferSave;
       },
       "recompute the attention core");
+  // A memory-budget plan: one block profiled once on an input shaped like
+  // the real ones; every block has the same structure, so one plan serves
+  // them all (the keys are op calls within a region).
+  Block sample(c);
+  const auto sample_input = torch::randn({c.batch, c.seq, c.dim}).requires_grad_();
+  const torch_sac::BudgetPlan plan = torch_sac::policies::budget(
+      [&] { return sample->forward(sample_input); }, {.fraction = 0.5});
   const std::vector<std::pair<std::string, torch_sac::PolicyPtr>> policies{
       {"recompute_all", torch_sac::policies::recompute_all()},
       {"save_matmuls", torch_sac::policies::save_matmuls()},
       {"attention_core", attention_core},
+      {"budget_50%", plan.policy},
   };
 
   torch::manual_seed(1234);
   const auto tokens = torch::randint(c.vocab, {c.batch, c.seq}, torch::kLong);
   const auto targets = torch::roll(tokens, -1, 1);
 
-  std::printf("torch_sac %s (torch %s): GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n\n",
+  std::printf("torch_sac %s (torch %s): GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n",
               TORCH_SAC_VERSION, TORCH_SAC_TORCH_VERSION, static_cast<long long>(c.blocks),
               static_cast<long long>(c.dim), static_cast<long long>(c.seq),
               static_cast<long long>(c.batch), c.dropout);
+  std::printf("budget_50%% plan for one block: %s\n\n", plan.summary().c_str());
   std::printf("%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "", "", "", "regions:",
               "", "", "with regions:", "", "without:", "", "");
   std::printf("%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "policy", "step", "loss",

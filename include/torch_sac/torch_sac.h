@@ -12,8 +12,10 @@
 //
 // sac_context.h: SacContext (a region), checkpoint(), RegionHandle (stats, op_details)
 // policies.h:    built-in policies, C++ callable policies, NameScope
+// budget.h:      policies::budget, the memory-budget plan (profile, then solve)
 // memory.h:      the counting CPU allocator and PeakWindow
 
+#include "torch_sac/budget.h"
 #include "torch_sac/memory.h"
 #include "torch_sac/policies.h"
 #include "torch_sac/sac_context.h"
