@@ -144,11 +144,10 @@ class _ProfileMode(TorchDispatchMode):
         # from outside the region.
         for t in inputs:
             self.storage(t, internal=False, owner=None)
-        recorded = (
-            func not in self.ignored
-            and torch.is_grad_enabled()
-            and not torch.is_inference_mode_enabled()
-        )
+        # Ops under no_grad inside the region count too: the region and the
+        # drop-in record them and number their calls (a custom Function's
+        # body, a torch.no_grad() block), so the plan's keys must as well.
+        recorded = func not in self.ignored and not torch.is_inference_mode_enabled()
         _sync(inputs)
         t0 = time.perf_counter_ns()
         out = func(*args, **kwargs)

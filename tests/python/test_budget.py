@@ -647,3 +647,30 @@ def test_a_view_whose_base_is_mutated_later_is_not_saved():
     x2 = x.detach().clone().requires_grad_(True)
     fn(x2).sum().backward()
     assert torch.equal(x1.grad, x2.grad)
+
+
+def test_plan_numbers_no_grad_calls_as_the_region_does():
+    """A no_grad op inside the region is a call the region numbers: the
+    plan's (op, call index) keys must count it too (they skipped it, so a
+    plan meant for the second mm saved the first)."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        with torch.no_grad():
+            scale = x @ x.t()          # mm call 0, under no_grad
+        return torch.tanh((x @ w) * scale.mean())  # mm call 1
+
+    x = torch.randn(8, 8, requires_grad=True)
+    plan = torch_sac.policies.budget(fn, x, fraction=1.0, cost="flops")
+    mm = torch.ops.aten.mm.default
+    assert [it.call_index for it in plan.items if it.op == mm] == [0, 1]
+    recorder = []
+
+    def spy(ctx, op, *args, **kwargs):
+        if op == mm:
+            recorder.append(plan.is_saved(op, len(recorder)))
+        return torch_sac.Policy.PREFER_RECOMPUTE
+
+    with torch_sac.sac_context(spy):
+        fn(x)
+    assert len(recorder) == 2
