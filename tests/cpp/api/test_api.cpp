@@ -7,7 +7,9 @@
 
 #include <torch_sac/torch_sac.h>
 
+#include <algorithm>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -274,6 +276,66 @@ TEST_F(CppApi, NestedContextsStackPoliciesOnTheOuterRegion) {
   EXPECT_EQ(count_op(details, "aten::sin.default", &RegionOpSummary::dropped), 1)
       << "after the inner context exits, the outer policy decides again";
   EXPECT_FALSE(in_sac_context());
+}
+
+// A chain x_i = tanh(x_{i-1} @ w_i) of equal steps in one region under a
+// replay budget of two steps' tensors: exact, within the budget, and some
+// steps recomputed more than once.
+TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
+  at::manual_seed(0);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 12; ++i) {
+    weights.push_back((at::randn({16, 16}) * 0.3).requires_grad_());
+  }
+  const at::Tensor x = at::randn({8, 16});
+  const int64_t step_bytes = 8 * 16 * 4;
+  auto run = [&](std::optional<SacOptions> options, RegionHandle* handle) {
+    std::optional<SacContext> region;
+    if (options) {
+      region.emplace(policies::recompute_all(), *options);
+      *handle = region->handle();
+    }
+    at::Tensor h = x;
+    for (const at::Tensor& w : weights) {
+      h = at::tanh(at::mm(h, w));
+    }
+    if (region) {
+      region->exit();
+    }
+    h.sum().backward();
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& w : weights) {
+      grads.push_back(w.grad().clone());
+      w.mutable_grad().reset();
+    }
+    return grads;
+  };
+  RegionHandle none;
+  const auto expected = run(std::nullopt, &none);
+  RegionHandle handle;
+  SacOptions options;
+  options.replay_budget = 2 * step_bytes;
+  expect_bitwise_equal(run(options, &handle), expected);
+  const RegionStats stats = handle.stats();
+  EXPECT_LE(stats.peak_memo_bytes, 2 * step_bytes);
+  EXPECT_GT(stats.memos_skipped, 0);
+  int64_t most = 0;
+  for (const auto& row : handle.op_details()) {
+    if (row.op == "aten::tanh.default") {
+      for (int64_t n : row.replays_by_call) {
+        most = std::max(most, n);
+      }
+    }
+  }
+  EXPECT_GT(most, 1) << "no step was recomputed twice";
+}
+
+TEST_F(CppApi, ReplayBudgetOnANestedContextRaises) {
+  SacContext outer(policies::recompute_all());
+  SacOptions options;
+  options.replay_budget = 0;
+  EXPECT_THROW(SacContext(policies::recompute_all(), options), c10::ValueError);
+  EXPECT_TRUE(in_sac_context());
 }
 
 TEST_F(CppApi, ConflictingMustPoliciesRaiseAndLeaveNothingInstalled) {
