@@ -8,6 +8,7 @@ import torch
 from . import _C, _compile, _fsdp
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
+from .schedule import ReplaySchedule
 
 __all__ = ["sac_context", "checkpoint"]
 
@@ -70,6 +71,10 @@ class sac_context:
             unpacked (multiple recomputation). Gradients are unchanged. It
             lets one region around a whole model with ``recompute_all`` run
             backward in a few blocks' memory. Set it on the outermost region.
+        replay_schedule (torch_sac.ReplaySchedule, optional): what each
+            rebuild in backward keeps, exactly (see :meth:`replay_schedule`);
+            backward raises if the rebuilds differ from the schedule's. Not
+            with ``replay_budget``.
 
     Example:
         >>> policy = torch_sac.policies.save_matmuls()
@@ -102,7 +107,8 @@ class sac_context:
         * With grad disabled or in inference mode nothing is recorded.
     """
 
-    def __init__(self, policy, *, allow_cache_entry_mutation=False, replay_budget=None):
+    def __init__(self, policy, *, allow_cache_entry_mutation=False, replay_budget=None,
+                 replay_schedule=None):
         if torch.compiler.is_compiling():
             _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
@@ -113,6 +119,15 @@ class sac_context:
         self._policy = as_op_policy(policy, "sac_context")
         self._allow = allow_cache_entry_mutation
         self._replay_budget = _check_replay_budget(replay_budget, "sac_context")
+        if replay_schedule is not None and not isinstance(replay_schedule, ReplaySchedule):
+            raise TypeError(
+                "torch_sac.sac_context: replay_schedule must be a torch_sac.ReplaySchedule "
+                f"(e.g. region.replay_schedule() or ReplaySchedule.load(path)), got {replay_schedule!r}")
+        if replay_schedule is not None and replay_budget is not None:
+            raise ValueError(
+                "torch_sac.sac_context: pass replay_budget or replay_schedule, not both: the "
+                "schedule already says what each rebuild keeps")
+        self._replay_schedule = replay_schedule
         self._region = None
         self._owner = False
         self._exits = []
@@ -123,17 +138,19 @@ class sac_context:
             raise RuntimeError("torch_sac.sac_context: this context is already entered")
         stack = _stack()
         if stack:
-            if self._replay_budget is not None:
+            if self._replay_budget is not None or self._replay_schedule is not None:
                 raise ValueError(
-                    "torch_sac.sac_context: replay_budget is set on a region nested in another "
-                    "one; nested regions record into the outermost region, whose budget "
-                    "applies: set it there")
+                    "torch_sac.sac_context: replay_budget or replay_schedule is set on a region "
+                    "nested in another one; nested regions record into the outermost region, "
+                    "whose backward applies: set it there")
             self._region = stack[-1]._region
             self._region.push_policy(self._policy)
             self._exits = [self._region.pop_policy]
         else:
             budget = -1 if self._replay_budget is None else self._replay_budget
             self._region = _C.Region(self._policy, self._allow, budget)
+            if self._replay_schedule is not None:
+                self._region.set_replay_schedule(self._replay_schedule._steps())
             self._owner = True
             hooks = torch.autograd.graph.saved_tensors_hooks(self._region.pack, _C.unpack_saved)
             mode = handler_mode(self._region)
@@ -240,6 +257,14 @@ class sac_context:
         and ``replay_ns`` (replays in backward and their time)."""
         self._check_used("op_details")
         return self._region.op_details()
+
+    def replay_schedule(self):
+        """The schedule this region ran: the op calls forward kept and, per
+        rebuild of the last backward pass, the tensor it was for and the ones
+        it kept (a :class:`torch_sac.ReplaySchedule`; ``sac_context(...,
+        replay_schedule=...)`` runs it again)."""
+        self._check_used("replay_schedule")
+        return ReplaySchedule(self._region.executed_schedule(), self._region.saved_calls())
 
     def _check_used(self, what):
         if self._region is None:

@@ -143,6 +143,44 @@ PYBIND11_MODULE(_C, m) {
         d["memos_skipped"] = s.memos_skipped;
         return d;
       })
+      .def("set_replay_schedule", [](region::Region& self,
+                                     const std::vector<std::tuple<
+                                         std::tuple<std::string, int64_t, int32_t>,
+                                         std::vector<std::tuple<std::string, int64_t, int32_t>>>>& steps) {
+        auto key = [](const std::tuple<std::string, int64_t, int32_t>& k) {
+          return region::TensorKey{std::get<0>(k), std::get<1>(k), std::get<2>(k)};
+        };
+        region::ReplaySchedule schedule;
+        for (const auto& [unpacked, keep] : steps) {
+          region::RebuildStep step{key(unpacked), {}};
+          for (const auto& k : keep) {
+            step.keep.push_back(key(k));
+          }
+          schedule.push_back(std::move(step));
+        }
+        py::gil_scoped_release no_gil;
+        self.set_replay_schedule(std::move(schedule));
+      })
+      .def("saved_calls", &region::Region::saved_calls, NoGil())
+      .def("executed_schedule", [](const region::Region& self) {
+        region::ReplaySchedule schedule;
+        {
+          py::gil_scoped_release no_gil;
+          schedule = self.executed_schedule();
+        }
+        auto key = [](const region::TensorKey& k) {
+          return std::make_tuple(k.op, k.call_index, k.output);
+        };
+        py::list steps;
+        for (const auto& step : schedule) {
+          py::list keep;
+          for (const auto& k : step.keep) {
+            keep.append(key(k));
+          }
+          steps.append(py::make_tuple(key(step.unpacked), keep));
+        }
+        return steps;
+      })
       .def("op_summary", [](const region::Region& self) {
         std::vector<region::RegionOpSummary> summary;
         {

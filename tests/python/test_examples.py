@@ -14,3 +14,12 @@ def test_hf_llama_finetune_example():
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("gradients bitwise equal to no checkpointing") == 3, proc.stdout
+
+
+def test_revolve_chain_example_runs_the_optimal_schedule():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "revolve_chain.py"),
+         "--steps", "12", "--slots", "3"],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "schedule executed exactly" in proc.stdout

@@ -234,3 +234,105 @@ def test_apply_sac_budget_needs_the_region_engine():
     with pytest.raises(ValueError, match="engine='region'"):
         torch_sac.apply_sac(model, RECOMPUTE_ALL(), engine="dropin", replay_budget=0)
     assert "forward" not in model.blocks[0].__dict__
+
+
+# --------------------------------------------------------------------------
+# Replay schedules
+# --------------------------------------------------------------------------
+
+
+def recorded_schedule(n=8, slots=2):
+    layers, x, forward, size = tanh_chain(n)
+    forward().sum().backward()
+    want = grads(layers, x)
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=slots * size) as region:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    return layers, x, forward, want, region
+
+
+def test_recorded_schedule_runs_again_exactly(tmp_path):
+    layers, x, forward, want, region = recorded_schedule()
+    schedule = region.replay_schedule()
+    assert schedule.saved == []
+    # Rebuild #0 is for x_7 (the output x_8 is alive); later ones go back.
+    assert schedule.rebuilds[0][0] == ("aten::tanh.default", 6, 0)
+    unpacked = [key.call_index for key, _ in schedule.rebuilds]
+    assert unpacked == sorted(unpacked, reverse=True)
+    path = tmp_path / "schedule.json"
+    schedule.save(path)
+    loaded = torch_sac.ReplaySchedule.load(path)
+    assert loaded == schedule
+    with torch_sac.sac_context(loaded.policy(), replay_schedule=loaded) as again:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    assert again.replay_schedule() == schedule
+    assert tanh_replays(again)["replays_by_call"] == tanh_replays(region)["replays_by_call"]
+
+
+def test_schedule_keeps_the_forward_saves():
+    layers, x, forward, size = tanh_chain(8)
+    forward().sum().backward()
+    want = grads(layers, x)
+    policy = torch_sac.policies.every_nth([torch.ops.aten.tanh.default], 3)
+    with torch_sac.sac_context(policy) as region:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    schedule = region.replay_schedule()
+    assert schedule.saved == [("aten::tanh.default", i) for i in (0, 3, 6)]
+    with torch_sac.sac_context(schedule.policy(), replay_schedule=schedule) as again:
+        out = forward()
+    out.sum().backward()
+    assert_bitwise(grads(layers, x), want)
+    assert again.stats()["saved_ops"] == 3
+
+
+def test_schedule_for_another_program_raises_in_backward():
+    _, _, _, _, region = recorded_schedule(n=8)
+    schedule = region.replay_schedule()
+    layers, x, forward, size = tanh_chain(10)
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=schedule):
+        out = forward()
+    with pytest.raises(ValueError, match="replay schedule rebuild #0 is for aten::tanh.default"):
+        out.sum().backward()
+
+
+def test_schedule_keeping_a_tensor_the_rebuild_does_not_make_raises():
+    layers, x, forward, size = tanh_chain(6)
+    # The first rebuild is for x_5 (tanh call 4); it cannot keep x_5 itself.
+    bad = torch_sac.ReplaySchedule([(("aten::tanh.default", 4, 0), [("aten::tanh.default", 4, 0)])])
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=bad):
+        out = forward()
+    with pytest.raises(ValueError, match="which this rebuild does not make"):
+        out.sum().backward()
+
+
+def test_schedule_too_short_raises():
+    layers, x, forward, size = tanh_chain(6)
+    short = torch_sac.ReplaySchedule([(("aten::tanh.default", 4, 0), [])])
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=short):
+        out = forward()
+    with pytest.raises(ValueError, match="has 1 rebuilds, but backward needs another"):
+        out.sum().backward()
+
+
+def test_schedule_argument_errors():
+    schedule = torch_sac.ReplaySchedule([])
+    with pytest.raises(ValueError, match="not both"):
+        torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=0, replay_schedule=schedule)
+    with pytest.raises(TypeError, match="ReplaySchedule"):
+        torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule={"rebuilds": []})
+    with pytest.raises(ValueError, match="format"):
+        torch_sac.ReplaySchedule.from_dict({"rebuilds": []})
+    with pytest.raises(ValueError, match="call_index"):
+        torch_sac.TensorKey("aten::mm.default", -1)
+    with pytest.raises(ValueError, match="aten::mm.default"):
+        torch_sac.TensorKey("mm", 0)
+    assert torch_sac.TensorKey("aten::tanh", 2) == ("aten::tanh.default", 2, 0)
+    with torch_sac.sac_context(RECOMPUTE_ALL()):
+        with pytest.raises(ValueError, match="outermost region"):
+            with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=schedule):
+                pass

@@ -449,6 +449,7 @@ void Region::handle(
       stats_.saved_bytes += new_bytes;
       ++op_info.saved;
       op_info.saved_bytes += new_bytes;
+      op_info.saved_calls.push_back(call_index);
     } else {
       ++stats_.dropped_ops;
       stats_.dropped_bytes += new_bytes;
@@ -589,6 +590,17 @@ RegionStats Region::stats() const {
   RegionStats stats = stats_;
   stats.memo_bytes = strong_memo_bytes();
   return stats;
+}
+
+std::vector<std::pair<std::string, int64_t>> Region::saved_calls() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::pair<std::string, int64_t>> calls;
+  for (const OpInfo& info : ops_) {
+    for (int64_t call : info.saved_calls) {
+      calls.emplace_back(info.name, call);
+    }
+  }
+  return calls;
 }
 
 std::vector<RegionOpSummary> Region::op_summary() const {

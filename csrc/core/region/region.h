@@ -44,6 +44,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
 #include "memo.h"
+#include "replay_schedule.h"
 #include "csrc/core/numerics_state.h"
 #include "rng_snapshot.h"
 #include "tensor_geometry.h"
@@ -155,6 +156,14 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   RegionStats stats() const;
   std::vector<RegionOpSummary> op_summary() const;
 
+  // Runs `schedule` in backward instead of choosing what each rebuild keeps
+  // (replay_schedule.h). Not with a replay budget; set before backward.
+  void set_replay_schedule(ReplaySchedule schedule);
+  // The rebuilds of the current (or last) backward pass and what each kept.
+  ReplaySchedule executed_schedule() const;
+  // (op, call index) of every call whose new outputs the policy kept.
+  std::vector<std::pair<std::string, int64_t>> saved_calls() const;
+
   // Brings back the storage of a tensor kept from forward that was freed
   // since (FSDP2 frees unsharded parameters after forward): `restore(t)`
   // returns whether it did; `done()` runs after the replay that needed it.
@@ -232,8 +241,21 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int64_t dropped_bytes = 0;
     int64_t replay_ns = 0;
     std::vector<int64_t> replays_by_call;
+    std::vector<int64_t> saved_calls;  // call indices whose new outputs were kept
   };
 
+
+  // A rebuilt tensor's key by index into ops_ (op names are made when
+  // asked for: a big model rebuilds thousands of tensors).
+  struct ExecutedKey {
+    int32_t op_index;
+    int64_t call_index;
+    int32_t output;
+  };
+  struct ExecutedStep {
+    ExecutedKey unpacked;
+    std::vector<ExecutedKey> keep;
+  };
 
   SavedActivation pack_locked(const at::Tensor& t);
   void forget_locked(const SavedActivation& saved);
@@ -269,10 +291,20 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       int32_t entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
   bool worth_memoising(int32_t storage, int32_t state) const;
-  // Under a replay budget, the storages `plan` rebuilds that it may keep
-  // (replay_budget.h); without one, nullopt: all it should keep.
-  std::optional<std::unordered_set<int32_t>> memos_allowed(
-      const ReplayPlan& plan, int32_t target) const;
+  // The storages `plan` rebuilds that autograd will unpack later, other
+  // than `target`, in the order the plan makes them.
+  std::vector<int32_t> memo_candidates(const ReplayPlan& plan, int32_t target) const;
+  // Which candidates this rebuild may keep: the schedule's step, the replay
+  // budget's choice (replay_budget.h), or all of them (nullopt). Counts the
+  // rebuild and records it in executed_.
+  std::optional<std::unordered_set<int32_t>> memos_allowed(const ReplayPlan& plan, int32_t target);
+  std::unordered_set<int32_t> memos_within_budget(
+      const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) const;
+  std::unordered_set<int32_t> memos_scheduled(
+      int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const;
+  ExecutedKey executed_key_of(int32_t storage) const;
+  TensorKey key_of(int32_t storage) const;
+  std::string describe_key(const TensorKey& key) const;
   int64_t strong_memo_bytes() const;
   void memoise(int32_t storage, const at::Tensor& t, int32_t state);
   // Weakens the memos nothing in this pass will unpack again; forgets the
@@ -310,6 +342,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   int64_t pass_ = 0;          // backward passes through the region, from 0
   std::map<int32_t, int32_t> live_horizons_;  // horizon -> live dropped activations
   size_t released_from_ = SIZE_MAX;  // entries from here on are released
+  std::optional<ReplaySchedule> schedule_;
+  std::vector<ExecutedStep> executed_;  // this backward pass's rebuilds
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
   RegionStats stats_;

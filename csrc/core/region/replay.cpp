@@ -106,6 +106,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
 
 void Region::start_new_pass() {
   ++pass_;
+  executed_.clear();
   for (StorageRecord& record : storages_) {
     record.pending_unpacks = record.live_refs;
   }
@@ -257,18 +258,96 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
   return result.storage();
 }
 
-std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
-    const ReplayPlan& plan, int32_t target) const {
-  if (replay_budget_ == kNoReplayBudget) {
-    return std::nullopt;
+std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t target) const {
+  std::vector<int32_t> candidates;
+  for (int32_t e : plan.entries) {
+    for (const auto& [position, s] : entries_[e].produced) {
+      const auto rebuilt = plan.states.find(s);
+      const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
+      if (s != target && worth_memoising(s, state)) {
+        candidates.push_back(s);
+      }
+    }
   }
+  return candidates;
+}
+
+std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
+    const ReplayPlan& plan, int32_t target) {
+  const std::vector<int32_t> candidates = memo_candidates(plan, target);
+  const size_t rebuild = executed_.size();
+  std::optional<std::unordered_set<int32_t>> allowed;
+  if (schedule_) {
+    allowed = memos_scheduled(target, candidates, rebuild);
+  } else if (replay_budget_ != kNoReplayBudget) {
+    allowed = memos_within_budget(plan, target, candidates);
+  }
+  ExecutedStep step{executed_key_of(target), {}};
+  for (int32_t s : candidates) {
+    if (!allowed || allowed->count(s)) {
+      step.keep.push_back(executed_key_of(s));
+    }
+  }
+  executed_.push_back(std::move(step));
+  return allowed;
+}
+
+Region::ExecutedKey Region::executed_key_of(int32_t storage) const {
+  const StorageRecord& record = storages_[storage];
+  const Entry& producer = entries_[record.producer];
+  return {producer.op_index, producer.call_index, record.producer_output};
+}
+
+TensorKey Region::key_of(int32_t storage) const {
+  const ExecutedKey key = executed_key_of(storage);
+  return {ops_[key.op_index].name, key.call_index, key.output};
+}
+
+std::string Region::describe_key(const TensorKey& key) const {
+  std::ostringstream out;
+  out << key.op << " (call " << key.call_index << ", output " << key.output << ")";
+  return out.str();
+}
+
+std::unordered_set<int32_t> Region::memos_scheduled(
+    int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const {
+  TORCH_CHECK_VALUE(
+      rebuild < schedule_->size(),
+      "torch_sac: the replay schedule has ", schedule_->size(), " rebuilds, but backward needs "
+      "another one, to rebuild ", describe_key(key_of(target)), ". The schedule was made for "
+      "another program, other inputs or another policy: record it again "
+      "(region.replay_schedule()) from a run of this one.");
+  const RebuildStep& step = (*schedule_)[rebuild];
+  const TensorKey unpacked = key_of(target);
+  TORCH_CHECK_VALUE(
+      step.unpacked == unpacked,
+      "torch_sac: replay schedule rebuild #", rebuild, " is for ", describe_key(step.unpacked),
+      ", but backward unpacked ", describe_key(unpacked), " there. The schedule was made for "
+      "another program, other inputs or another policy, or it keeps tensors a different "
+      "schedule keeps: record it again (region.replay_schedule()) from a run of this one.");
+  std::unordered_set<int32_t> allowed;
+  for (const TensorKey& key : step.keep) {
+    const auto found = std::find_if(candidates.begin(), candidates.end(), [&](int32_t s) {
+      return key_of(s) == key;
+    });
+    TORCH_CHECK_VALUE(
+        found != candidates.end(),
+        "torch_sac: replay schedule rebuild #", rebuild, " (for ", describe_key(unpacked),
+        ") keeps ", describe_key(key), ", which this rebuild does not make, or which "
+        "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
+        "on its way that backward still needs.");
+    allowed.insert(*found);
+  }
+  return allowed;
+}
+
+std::unordered_set<int32_t> Region::memos_within_budget(
+    const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) const {
+  const std::unordered_set<int32_t> is_candidate(candidates.begin(), candidates.end());
   const auto m = static_cast<int32_t>(plan.entries.size());
-  // Where each storage the plan rebuilds is made and last read in it, and
-  // which of them autograd will unpack later (the candidates).
+  // Where each storage the plan rebuilds is made and last read in it.
   std::unordered_map<int32_t, int32_t> made_at;
   std::unordered_map<int32_t, int32_t> last_read_at;
-  std::vector<int32_t> candidates;  // in the order the plan makes them
-  std::unordered_set<int32_t> is_candidate;
   std::vector<double> cost_through(m);
   double cost = 0;
   for (int32_t i = 0; i < m; ++i) {
@@ -283,12 +362,6 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
     }
     for (const auto& [position, s] : entry.produced) {
       made_at.emplace(s, i);
-      const auto rebuilt = plan.states.find(s);
-      const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
-      if (s != target && worth_memoising(s, state)) {
-        candidates.push_back(s);
-        is_candidate.insert(s);
-      }
     }
   }
   // Cuts: after op p, the storages made at or before p and read after it.
@@ -300,6 +373,7 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
     done[last].push_back(s);
   }
   auto bytes_of = [&](int32_t s) { return s == target ? int64_t{0} : storages_[s].nbytes; };
+  auto unkeepable = [&](int32_t s) { return s != target && !is_candidate.count(s) ? 1 : 0; };
   std::vector<ReplayCut> cuts;
   std::vector<int32_t> cut_after;
   int64_t crossing_bytes = 0;
@@ -309,12 +383,12 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
     for (int32_t s : made[p]) {
       crossing_bytes += bytes_of(s);
       ++crossing;
-      crossing_unkeepable += (s != target && !is_candidate.count(s)) ? 1 : 0;
+      crossing_unkeepable += unkeepable(s);
     }
     for (int32_t s : done[p]) {
       crossing_bytes -= bytes_of(s);
       --crossing;
-      crossing_unkeepable -= (s != target && !is_candidate.count(s)) ? 1 : 0;
+      crossing_unkeepable -= unkeepable(s);
     }
     if (crossing > 0 && crossing_unkeepable == 0) {
       cuts.push_back({cost_through[p], crossing_bytes});
@@ -363,6 +437,33 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
     }
   }
   return allowed;
+}
+
+void Region::set_replay_schedule(ReplaySchedule schedule) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK_VALUE(
+      replay_budget_ == kNoReplayBudget,
+      "torch_sac: a region takes a replay_budget or a replay_schedule, not both: the schedule "
+      "already says what each rebuild keeps.");
+  schedule_ = std::move(schedule);
+}
+
+ReplaySchedule Region::executed_schedule() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto named = [&](const ExecutedKey& key) {
+    return TensorKey{ops_[key.op_index].name, key.call_index, key.output};
+  };
+  ReplaySchedule schedule;
+  schedule.reserve(executed_.size());
+  for (const ExecutedStep& step : executed_) {
+    RebuildStep named_step{named(step.unpacked), {}};
+    named_step.keep.reserve(step.keep.size());
+    for (const ExecutedKey& key : step.keep) {
+      named_step.keep.push_back(named(key));
+    }
+    schedule.push_back(std::move(named_step));
+  }
+  return schedule;
 }
 
 int64_t Region::strong_memo_bytes() const {

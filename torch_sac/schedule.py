@@ -1,0 +1,145 @@
+"""Replay schedules: what a region keeps in forward and after each rebuild in
+backward, as a value to inspect, save, edit and run again.
+
+A region records the schedule it ran (``sac_context.replay_schedule()``),
+whether it chose it with a ``replay_budget`` or kept everything; a schedule
+passed as ``sac_context(policy, replay_schedule=schedule)`` is run exactly,
+and backward raises if it does not match. The format is described in
+``docs/design.md`` ("Replay schedules").
+"""
+
+import json
+import numbers
+
+from . import _C
+
+__all__ = ["ReplaySchedule", "TensorKey"]
+
+FORMAT = "torch_sac.replay_schedule/1"
+
+
+class TensorKey(tuple):
+    """A tensor the region can rebuild: ``(op, call_index, output)``: the op
+    call that made its storage (``"aten::mm.default"``, its call index in
+    the region as policies see it) and which of that op's tensor outputs."""
+
+    __slots__ = ()
+
+    def __new__(cls, op, call_index, output=0):
+        if not isinstance(op, str) or "::" not in op:
+            raise ValueError(
+                f"torch_sac.ReplaySchedule: an op is named like 'aten::mm.default', got {op!r}")
+        for name, value in (("call_index", call_index), ("output", output)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(
+                    f"torch_sac.ReplaySchedule: {name} must be an int >= 0, got {value!r}")
+        if "." not in op.split("::", 1)[1]:
+            op += ".default"
+        return super().__new__(cls, (op, int(call_index), int(output)))
+
+    op = property(lambda self: self[0])
+    call_index = property(lambda self: self[1])
+    output = property(lambda self: self[2])
+
+    def __repr__(self):
+        return f"TensorKey({self.op!r}, {self.call_index}, {self.output})"
+
+
+class ReplaySchedule:
+    """A region's schedule.
+
+    Attributes:
+        saved: the op calls whose outputs forward keeps, ``[(op, call_index)]``.
+        rebuilds: one entry per rebuild in backward, in order:
+            ``(unpacked, keep)``, the :class:`TensorKey` that rebuild is for
+            and the keys of the tensors it rebuilds on the way that are kept
+            for later unpacks (held until their last unpack); everything else
+            it rebuilds is freed and rebuilt again when unpacked.
+
+    Example:
+        >>> with torch_sac.sac_context(policy, replay_budget=budget) as region:
+        ...     y = model(x)
+        >>> y.sum().backward()
+        >>> schedule = region.replay_schedule()
+        >>> schedule.save("schedule.json")
+        >>> schedule = torch_sac.ReplaySchedule.load("schedule.json")
+        >>> with torch_sac.sac_context(schedule.policy(), replay_schedule=schedule):
+        ...     y = model(x)   # backward rebuilds and keeps exactly as scheduled
+    """
+
+    def __init__(self, rebuilds, saved=()):
+        self.saved = [(op, int(call)) for op, call in (_call(c) for c in saved)]
+        self.rebuilds = []
+        for step in rebuilds:
+            try:
+                unpacked, keep = step
+            except (TypeError, ValueError):
+                raise ValueError(
+                    "torch_sac.ReplaySchedule: each rebuild is (unpacked key, [kept keys]), "
+                    f"got {step!r}") from None
+            self.rebuilds.append((TensorKey(*unpacked), [TensorKey(*k) for k in keep]))
+
+    def policy(self):
+        """A policy saving exactly :attr:`saved` (decided in C++)."""
+        calls = []
+        for op, call in self.saved:
+            name, overload = op.rsplit(".", 1)
+            calls.append((name, "" if overload == "default" else overload, call))
+        return _C.SavedCallsPolicy(calls, f"schedule({len(self.saved)} saved calls)")
+
+    @property
+    def recomputed(self):
+        """How many rebuilds each tensor key was rebuilt in: ``{key: count}``
+        (a tensor rebuilt on the way of several rebuilds counts in each)."""
+        counts = {}
+        for unpacked, _ in self.rebuilds:
+            counts[unpacked] = counts.get(unpacked, 0) + 1
+        return counts
+
+    def to_dict(self):
+        return {
+            "format": FORMAT,
+            "saved": [list(c) for c in self.saved],
+            "rebuilds": [
+                {"unpacked": list(unpacked), "keep": [list(k) for k in keep]}
+                for unpacked, keep in self.rebuilds
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"torch_sac.ReplaySchedule.from_dict: not a {FORMAT} dict (format {found!r})")
+        return cls([(r["unpacked"], r["keep"]) for r in data["rebuilds"]], data.get("saved", ()))
+
+    def save(self, path):
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def _steps(self):
+        """The rebuilds as the C++ region takes them."""
+        return [(tuple(u), [tuple(k) for k in keep]) for u, keep in self.rebuilds]
+
+    def __eq__(self, other):
+        return isinstance(other, ReplaySchedule) and self.to_dict() == other.to_dict()
+
+    def __repr__(self):
+        kept = sum(len(k) for _, k in self.rebuilds)
+        return (f"<torch_sac.ReplaySchedule: {len(self.saved)} saved calls, "
+                f"{len(self.rebuilds)} rebuilds keeping {kept} tensors>")
+
+
+def _call(c):
+    try:
+        op, call = c
+    except (TypeError, ValueError):
+        raise ValueError(f"torch_sac.ReplaySchedule: a saved call is (op, call_index), got {c!r}") from None
+    key = TensorKey(op, call)
+    return key.op, key.call_index
