@@ -139,12 +139,12 @@ class SacHandle:
         return {"per_module": per_module, "total": dict(total)}
 
     def op_details(self):
-        """``{name: rows}``: each module's per-op rows of its last forward
-        (``sac_context.op_details()``; for the drop-in, ``op_summary()``)."""
-        out = {}
-        for name, ctx in self._last.items():
-            out[name] = ctx.op_details() if self._engine == "region" else ctx.op_summary()
-        return out
+        """``{name: rows}``: each module's per-op rows of its last forward, as
+        ``sac_context.op_details()`` gives them for both engines (a dict per
+        op overload: ``op``, ``saved``, ``dropped``, ``saved_bytes``,
+        ``dropped_bytes``, ``replayed``, ``replay_ns``, ``replays_by_call``;
+        for ``engine="dropin"`` replays are the calls recompute re-ran)."""
+        return {name: ctx.op_details() for name, ctx in self._last.items()}
 
     def remove(self):
         """Puts every module's own ``forward`` back; statistics are dropped."""

@@ -1,28 +1,63 @@
 """A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
 
+import weakref
+
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
+from .region import _observers
 
 __all__ = ["create_selective_checkpoint_contexts"]
 
 
 class _SelectiveContext:
-    """One of the two contexts: routes ops through a C++ handler while entered."""
+    """One of the two contexts: routes ops through a C++ handler while entered.
 
-    def __init__(self, state, handler, on_enter=None, on_exit=None):
+    The forward context tells this thread's observers (an active
+    ``torch_sac.profile``) when it is entered and exited, as an outermost
+    ``sac_context`` does. The recompute context tells the observers its
+    forward context told, on whatever thread recompute runs, through
+    ``_recompute_entered(forward)`` and ``_recompute_exited(forward)``.
+    """
+
+    def __init__(self, state, handler, on_enter=None, on_exit=None, forward=None):
         self._state = state
         self._mode = handler_mode(handler, on_enter, on_exit)
+        # Set on the recompute context: torch.utils.checkpoint lets go of
+        # the forward context after forward and keeps only this one.
+        self._forward = forward
+        # On the forward context: weak, so a graph kept alive does not keep
+        # a finished profile alive.
+        self._told = ()
 
     def __enter__(self):
         self._mode.__enter__()
+        if self._forward is None:
+            observers = list(_observers())
+            self._told = tuple(weakref.ref(o) for o in observers)
+            for observer in observers:
+                observer._region_entered(self)
+        else:
+            for observer in self._forward._observers_told():
+                observer._recompute_entered(self._forward)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        return self._mode.__exit__(exc_type, exc, tb)
+        try:
+            return self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            if self._forward is None:
+                for observer in self._observers_told():
+                    observer._region_exited(self)
+            else:
+                for observer in self._forward._observers_told():
+                    observer._recompute_exited(self._forward)
+
+    def _observers_told(self):
+        return [o for o in (ref() for ref in self._told) if o is not None]
 
     def stats(self):
         """Counters shared by both contexts of the pair.
@@ -34,7 +69,8 @@ class _SelectiveContext:
         written in place later in forward, so recomputed instead) and
         ``redirected_writes`` (in-place writes recompute made to a copy
         because forward had already made them, e.g. BatchNorm's running
-        statistics).
+        statistics) and ``recompute_ns`` (time spent running the ops
+        recompute re-ran, measured in C++ around each).
         """
         return self._state.stats()
 
@@ -43,8 +79,26 @@ class _SelectiveContext:
 
         ``saved`` calls had their outputs cached in forward, ``dropped`` calls
         were left to recompute, ``recomputed`` counts re-runs during recompute.
+        Every call counts, views and in-place ops included (unlike
+        :meth:`op_details`).
         """
         return self._state.op_summary()
+
+    def op_details(self):
+        """Per op overload, in first-seen order, in the format of
+        :meth:`torch_sac.sac_context.op_details`: a dict with ``op``,
+        ``saved`` and ``dropped`` (calls that made new tensors, whose outputs
+        forward cached or left to recompute; views and in-place ops make none
+        and count in neither), ``saved_bytes`` and ``dropped_bytes`` (the
+        storage bytes of those new tensors), ``replayed`` and ``replay_ns``
+        (calls recompute re-ran and their time) and ``replays_by_call`` (how
+        often recompute re-ran each call, by call index).
+
+        A call the policy saves but forward could not cache (a random op, an
+        output written in place later in forward) counts as dropped: it is
+        recomputed, where a region would have kept it.
+        """
+        return self._state.op_details()
 
     def saved_calls(self):
         """The calls whose outputs forward cached: ``[(op, call_index), ...]``.
@@ -82,7 +136,10 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             that check.
 
     Returns:
-        ``(forward_context, recompute_context)``. Both have ``stats()``.
+        ``(forward_context, recompute_context)``. Both have ``stats()``,
+        ``op_summary()`` and ``op_details()``. Under an active
+        :class:`torch_sac.profile` the pair is profiled like a
+        ``sac_context`` region.
 
     Example:
         >>> ctx_fn = functools.partial(
@@ -116,9 +173,8 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
         return _torch_checkpoint.create_selective_checkpoint_contexts(
             policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation)
     state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
-    return (
-        _SelectiveContext(state, state.caching, on_enter=state.begin_forward,
-                          on_exit=state.finish_forward),
-        _SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
-                          on_exit=state.finish_recompute),
-    )
+    forward = _SelectiveContext(state, state.caching, on_enter=state.begin_forward,
+                                on_exit=state.finish_forward)
+    recompute = _SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
+                                  on_exit=state.finish_recompute, forward=forward)
+    return forward, recompute

@@ -8,6 +8,7 @@ import importlib
 import json
 import threading
 import time
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,19 +16,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C, memory
 from ._adapter import adapter
 from ._op_profile import format_bytes
+from .contexts import _SelectiveContext
 from .region import _observers
 
 __all__ = ["profile", "plot_memory"]
 
 FORMAT = "torch_sac.profile/1"
 
-# Per-op counters read from the regions (sac_context.op_details()).
+# Per-op counters read from the regions (sac_context.op_details(), and the
+# drop-in forward context's op_details(), which has the same keys).
 _OP_FIELDS = ("saved", "dropped", "saved_bytes", "dropped_bytes", "replayed", "replay_ns")
 # Region counters summed into the totals (sac_context.stats()).
 _REGION_FIELDS = (
     "policy_calls", "saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "held_bytes",
     "packed_kept", "packed_dropped", "unpacked_original", "replayed_ops", "replay_ns", "record_ns",
 )
+# Region counters a drop-in pair has, as sums of its op_details() rows; the
+# other fields (held copies, autograd's packing, recording time) have no
+# drop-in counterpart and are 0.
+_DROPIN_SUMS = {
+    "saved_ops": "saved", "saved_bytes": "saved_bytes", "dropped_ops": "dropped",
+    "dropped_bytes": "dropped_bytes", "replayed_ops": "replayed", "replay_ns": "replay_ns",
+}
 
 
 def _op_name(func):
@@ -35,10 +45,21 @@ def _op_name(func):
     return f"{func._schema.name}.{func._overloadname or 'default'}"
 
 
+def _dropin_stats(stats, details):
+    """A drop-in pair's counters in the region fields the totals sum."""
+    out = dict.fromkeys(_REGION_FIELDS, 0)
+    out["policy_calls"] = stats["policy_calls"]
+    for field, key in _DROPIN_SUMS.items():
+        out[field] = sum(d[key] for d in details)
+    return out
+
+
 class _Sampler(TorchDispatchMode):
     """Sees every op dispatched on this thread while the profile is active
     (forward, backward, and torch.utils.checkpoint's recompute; not the
-    region engine's replays, which run below the Python key). Per op: memory
+    region engine's replays, which run below the Python key, nor a drop-in
+    recompute's cache hits, which its handler's mode above this one answers
+    without passing them on). Per op: memory
     after it and its peak, FLOPs, and the forward/backward boundary."""
 
     def __init__(self, prof):
@@ -60,10 +81,13 @@ class profile:
     r"""Profiles selective activation checkpointing over a block of code.
 
     For every :class:`torch_sac.sac_context` region (and
-    :func:`torch_sac.checkpoint`) entered on this thread while the profile
-    is active, records per op overload the policy outcome (calls whose new
-    outputs were saved or dropped), the bytes kept and dropped, how many
-    times backward replayed the op and how long that took. Around it,
+    :func:`torch_sac.checkpoint`) and every pair of drop-in contexts
+    (:func:`torch_sac.create_selective_checkpoint_contexts` with
+    ``torch.utils.checkpoint.checkpoint``, or ``apply_sac(engine="dropin")``)
+    whose forward is entered on this thread while the profile is active,
+    records per op overload the policy outcome (calls whose new outputs were
+    saved or dropped), the bytes kept and dropped, how many times backward
+    replayed (or recomputed) the op and how long that took. Around it,
     measures the whole step: activation memory (bytes live after forward
     minus before), the peak, forward, backward and replay time, FLOPs
     (forward, backward and replayed) and the recording overhead of the
@@ -122,22 +146,40 @@ class profile:
       C++ around each replayed op. ``record_ns``: time the regions spent
       recording ops in forward, outside the ops themselves (the interception
       overhead, not counting the adapter's own dispatch).
+    * Drop-in contexts fill the same rows: ``saved``/``dropped`` as above
+      (a call the policy saves that forward cannot cache, a random op or
+      an output written in place later in forward, is dropped: it is
+      recomputed), ``replayed`` the calls recompute re-ran and ``replay_ns``
+      their time, measured in C++ around each (with ``timeline=True`` it
+      includes this profile's per-op sampling, which recomputed ops pass
+      through). Their totals are those sums and the policy calls; the
+      fields without a drop-in meaning (``held_bytes``, ``packed_*``,
+      ``unpacked_original``, ``record_ns``) are 0.
     * FLOPs follow :class:`torch.utils.flop_counter.FlopCounterMode`:
       matmuls, convolutions and attention; pointwise ops count 0.
-      ``forward_flops``/``backward_flops`` count every op dispatched (for
-      ``torch.utils.checkpoint`` the re-run forward lands in backward).
-      Replays run below the Python key, where no mode sees them, so
-      ``replay_flops`` is computed: per region and op, each forward call's
-      FLOPs times the number of times the region replayed that call
-      (``replay_flops_exact``). Should the profile and the region count an
-      op's calls differently, it falls back to replays times their mean,
-      with ``replay_flops_low``/``high`` the cheapest/costliest calls.
+      ``forward_flops``/``backward_flops`` count every op dispatched, except
+      that the ops a drop-in's recompute re-runs count as its
+      ``replay_flops``, not as backward: they are measured per op while its
+      recompute context is open on the thread (cache hits run nothing and
+      count nothing). Plain ``torch.utils.checkpoint`` (without torch_sac's
+      contexts) re-runs forward unseen by the profile: those FLOPs land in
+      ``backward_flops``. A region's replays run below the Python key,
+      where no mode sees them, so their ``replay_flops`` are computed: per
+      region and op, each forward call's FLOPs times the number of times the
+      region replayed that call (``replay_flops_exact``). Should the profile
+      and the region count an op's calls differently, it falls back to
+      replays times their mean, with ``replay_flops_low``/``high`` the
+      cheapest/costliest calls.
 
     Caveats:
         * Regions entered on other threads are not seen; the counting
-          allocator counts every thread's CPU tensors.
+          allocator counts every thread's CPU tensors. A drop-in's
+          recompute is attributed to it on whichever thread backward runs
+          it (on CPU, the thread that calls backward).
         * Run backward inside the block: region counters are read at exit,
-          and the profile then lets go of the regions.
+          and the profile then lets go of the regions. A drop-in pair's
+          counters are read when its forward and each recompute end (it is
+          held only weakly, so its cached tensors are not kept alive).
         * Tensors allocated before the counting allocator was installed are
           not counted when freed, so the first profile in a process may see
           them as never freed (install it early:
@@ -145,7 +187,8 @@ class profile:
         * On CUDA the per-op curve samples ``memory_allocated`` (no per-op
           peak), peaks come from ``max_memory_allocated`` (reset at entry),
           and times are host times: synchronise to time kernels.
-        * Under ``torch.compile`` the regions are PyTorch's and not profiled.
+        * Under ``torch.compile`` the regions and contexts are PyTorch's and
+          not profiled.
     """
 
     def __init__(self, device="cpu", *, timeline=True, flops=None, label=None):
@@ -191,6 +234,8 @@ class profile:
             self._flop_registry = flop_registry
         self._regions = []      # per profiled region: a dict (see _region_entered)
         self._open = []         # indices into _regions, innermost last
+        self._dropins = weakref.WeakKeyDictionary()  # drop-in forward context -> index
+        self._recomputing = threading.local()  # .open: drop-in indices, innermost last
         self._phase = "forward"
         self._forward_end = None  # (sample index, how)
         self._fwd_flops = self._bwd_flops = 0
@@ -312,7 +357,13 @@ class profile:
 
     def _region_entered(self, ctx):
         index = len(self._regions)
-        self._regions.append({"ctx": ctx, "ops": {}, "enter": None, "exit": None})
+        dropin = isinstance(ctx, _SelectiveContext)
+        self._regions.append({
+            "ctx": ctx, "engine": "dropin" if dropin else "sac_context", "ops": {},
+            "recompute_flops": {}, "counters": None, "enter": None, "exit": None,
+        })
+        if dropin:
+            self._dropins[ctx] = index
         self._open.append(index)
         self._sample(f"region {index} enter")
         self._regions[index]["enter"] = len(self._t) - 1
@@ -326,7 +377,34 @@ class profile:
                 self._sample(f"region {index} exit")
                 self._regions[index]["exit"] = len(self._t) - 1
                 self._events.append((len(self._t) - 1, "region_exit", index))
+                if self._regions[index]["engine"] == "dropin":
+                    self._read_dropin(index, ctx)
                 return
+
+    # A drop-in pair's counters are read when its forward and each recompute
+    # end instead of at exit: holding its contexts would keep cached outputs
+    # that recompute never consumed alive until the profile ends.
+    def _read_dropin(self, index, forward):
+        self._regions[index]["counters"] = (forward.stats(), forward.op_details())
+        self._regions[index]["ctx"] = None
+
+    def _recompute_entered(self, forward):
+        index = self._dropins.get(forward) if self._state == "active" else None
+        if index is not None:
+            if not hasattr(self._recomputing, "open"):
+                self._recomputing.open = []
+            self._recomputing.open.append(index)
+
+    def _recompute_exited(self, forward):
+        index = self._dropins.get(forward) if self._state == "active" else None
+        if index is None:
+            return
+        open_ = getattr(self._recomputing, "open", [])
+        for pos in range(len(open_) - 1, -1, -1):
+            if open_[pos] == index:
+                del open_[pos]
+                break
+        self._read_dropin(index, forward)
 
     def _flops_of(self, func, args, kwargs, out):
         if not self._count_flops:
@@ -341,6 +419,17 @@ class profile:
 
     def _op_done(self, func, flops):
         self._sample(func)  # the op's name is formatted when the profile is built
+        recomputing = getattr(self._recomputing, "open", None)
+        if recomputing:
+            # A drop-in recompute's op. With this sampler active the handler
+            # is entered as the innermost mode (_modes._HandlerMode), so the
+            # sampler sees only the ops it runs: cache hits never get here.
+            if flops:
+                counted = self._regions[recomputing[-1]]["recompute_flops"]
+                name = _op_name(func)
+                with self._lock:
+                    counted[name] = counted.get(name, 0) + flops
+            return
         if self._phase == "backward":
             with self._lock:
                 self._bwd_flops += flops
@@ -366,12 +455,21 @@ class profile:
         replay_low = replay_high = replay_est = 0.0
         region_fwd_flops = 0
         for index, r in enumerate(self._regions):
-            ctx = r["ctx"]
-            stats = ctx.stats()
-            details = ctx.op_details()
+            dropin = r["engine"] == "dropin"
+            stats, details = r["counters"] or (r["ctx"].stats(), r["ctx"].op_details())
+            if dropin:
+                stats = _dropin_stats(stats, details)
             for k in _REGION_FIELDS:
                 totals[k] += stats[k]
             calls = r["ops"]
+            # A drop-in's recompute FLOPs were measured per op; an op it ran
+            # without itemising it (run while interception was paused) gets a
+            # row of its own, so the rows still sum to the totals.
+            measured = r["recompute_flops"]
+            itemised = {d["op"] for d in details}
+            details = list(details) + [
+                {"op": op, **dict.fromkeys(_OP_FIELDS, 0)} for op in measured if op not in itemised
+            ]
             region_flops = 0
             for d in details:
                 row = ops.setdefault(d["op"], _empty_row(d["op"]))
@@ -381,7 +479,11 @@ class profile:
                 row["forward_calls"] += len(flops)
                 row["forward_flops"] += sum(flops)
                 region_flops += sum(flops)
-                est, low, high, ok = _replay_flops(d["replayed"], flops, d.get("replays_by_call"))
+                if dropin:
+                    est = low = high = measured.get(d["op"], 0)
+                    ok = True
+                else:
+                    est, low, high, ok = _replay_flops(d["replayed"], flops, d.get("replays_by_call"))
                 row["replay_flops"] += est
                 row["replay_flops_low"] += low
                 row["replay_flops_high"] += high
@@ -394,6 +496,7 @@ class profile:
             enter, exit_ = r["enter"], r["exit"]
             regions.append({
                 "index": index,
+                "engine": r["engine"],
                 "enter_sample": enter,
                 "exit_sample": exit_,
                 "forward_delta_bytes": (
@@ -503,7 +606,9 @@ class profile:
         ``saved``, ``dropped``, ``saved_bytes``, ``dropped_bytes``,
         ``replayed``, ``replay_ns``, ``forward_calls``, ``forward_flops``,
         ``replay_flops`` [+ ``_low``, ``_high``, ``_exact``]); ``regions``
-        (per region: its ``stats()``, bytes it added in forward, FLOPs);
+        (per region: ``engine``, ``"sac_context"`` or ``"dropin"``, its
+        ``stats()`` (a drop-in's mapped to the region fields), bytes it
+        added in forward, FLOPs);
         ``outside_regions``; ``timeline`` (per sample: ``t_ns`` since entry,
         ``bytes`` allocated and ``peak_bytes`` reached during the op, both
         above the level at entry, ``label``: the op or the event);
@@ -663,10 +768,13 @@ def _format_table(data, max_rows, sort_by):
     t = data["totals"]
     lines = []
     title = "torch_sac.profile" + (f" [{data['label']}]" if data["label"] else "")
-    lines.append(
-        f"{title}: {t['regions']} sac_context region(s), device {data['device']}, "
-        f"adapter {data['adapter']}"
-    )
+    dropins = sum(r.get("engine") == "dropin" for r in data["regions"])
+    if dropins:
+        regions = (f"{t['regions']} region(s) ({t['regions'] - dropins} sac_context, "
+                   f"{dropins} drop-in)")
+    else:
+        regions = f"{t['regions']} sac_context region(s)"
+    lines.append(f"{title}: {regions}, device {data['device']}, adapter {data['adapter']}")
     rows = [r for r in data["ops"] if r["saved"] or r["dropped"] or r["replayed"]]
     hidden = len(data["ops"]) - len(rows)
     keys = {
@@ -680,7 +788,7 @@ def _format_table(data, max_rows, sort_by):
     flops = t["forward_flops"] is not None
     if not data["ops"]:
         lines.append(
-            "no sac_context region was entered while profiling: no per-op rows "
+            "no sac_context region or drop-in context was entered while profiling: no per-op rows "
             "(memory, time and FLOP totals below cover the whole block)"
         )
     else:
@@ -732,8 +840,9 @@ def _format_table(data, max_rows, sort_by):
     if data["ops"]:
         lines.append(
             f"regions: {t['policy_calls']} policy calls; kept {format_bytes(t['saved_bytes'])} "
-            f"({t['saved_ops']} ops), dropped {format_bytes(t['dropped_bytes'])} ({t['dropped_ops']} ops); "
-            f"autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as references"
+            f"({t['saved_ops']} ops), dropped {format_bytes(t['dropped_bytes'])} ({t['dropped_ops']} ops)"
+            + (f"; autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as "
+               "references" if dropins < t["regions"] else "")
             + (f"; held copies {format_bytes(t['held_bytes'])}" if t["held_bytes"] else "")
         )
     lines.append(

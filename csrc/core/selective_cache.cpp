@@ -2,9 +2,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/hash.h>
 
 #include <algorithm>
+#include <chrono>
 #include <sstream>
 
 #include "detached_alias.h"
@@ -30,15 +32,6 @@ at::Tensor cacheable(const at::Tensor& t, bool op_returns_alias) {
     return detached_alias(t);
   }
   return t;
-}
-
-bool returns_alias(const c10::OperatorHandle& op) {
-  for (const auto& ret : op.schema().returns()) {
-    if (ret.alias_info()) {
-      return true;
-    }
-  }
-  return false;
 }
 
 const c10::StorageImpl* storage_of(const at::Tensor& t) {
@@ -182,6 +175,7 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
       }
     }
     for (const c10::Argument& ret : op.schema().returns()) {
+      record.returns_alias = record.returns_alias || ret.alias_info();
       record.returns_written_arg =
           record.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
     }
@@ -193,8 +187,7 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
 void SelectiveCache::cache_outputs(
     OpRecord& record,
     int64_t call_index,
-    c10::ArrayRef<c10::IValue> outputs,
-    bool op_returns_alias) {
+    c10::ArrayRef<c10::IValue> outputs) {
   Entry& entry = record.entries[call_index];
   entry.state = EntryState::Cached;
   entry.outputs.reserve(outputs.size());
@@ -207,7 +200,7 @@ void SelectiveCache::cache_outputs(
           cached_storages_[s].emplace_back(&record, call_index);
         }
       }
-      return cacheable(t, op_returns_alias);
+      return cacheable(t, record.returns_alias);
     }));
   }
   ++stats_.saved_ops;
@@ -332,11 +325,29 @@ void CachingHandler::handle(
   run(stack);
   const size_t num_returns = op.schema().returns().size();
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+  // New tensors, as the region engine counts them: an output on a storage
+  // no argument lives on (`_unsafe_view` declares no alias but returns its
+  // input's storage), each storage once.
+  bool made_new = false;
+  int64_t new_bytes = 0;
+  c10::SmallVector<const c10::StorageImpl*, 4> new_storages;
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
-      if (const c10::StorageImpl* s = storage_of(t)) {
-        cache_->produced_.insert(s);
+      const c10::StorageImpl* s = storage_of(t);
+      if (!s) {
+        return;
       }
+      cache_->produced_.insert(s);
+      if (record.returns_alias ||
+          std::find(new_storages.begin(), new_storages.end(), s) != new_storages.end() ||
+          std::any_of(seen.begin(), seen.end(), [&](const SelectiveCache::InputSeen& in) {
+            return in.storage && in.storage->_unsafe_get_target() == s;
+          })) {
+        return;
+      }
+      new_storages.push_back(s);
+      made_new = true;
+      new_bytes += static_cast<int64_t>(t.storage().nbytes());
     });
   }
 
@@ -354,9 +365,11 @@ void CachingHandler::handle(
   entry.inputs = std::move(seen);
   entry.writes = std::move(writes);
   entry.position = cache_->forward_ops_++;
+  entry.made_new = made_new;
+  entry.new_bytes = new_bytes;
   cache_->watch_aliases(outputs);
   if (is_save(decision) && cacheable_writes && !draws_now) {
-    cache_->cache_outputs(record, call_index, outputs, returns_alias(op));
+    cache_->cache_outputs(record, call_index, outputs);
   }
 }
 
@@ -488,15 +501,21 @@ void CachedHandler::handle(
           std::copy(args.begin(), args.end(), stack->end() - num_args);
         }
       }
+      const auto start = std::chrono::steady_clock::now();
       run(stack);
+      const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - start).count();
       const size_t num_returns = op.schema().returns().size();
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
         recompute_mismatch(op, call_index, "made outputs [" + describe_outputs(outputs) +
                            "] whose shapes or dtypes differ from forward's");
       }
+      ++entry.recomputed;
       ++record.recomputed;
+      record.recompute_ns += elapsed;
       ++stats.recomputed_ops;
+      stats.recompute_ns += elapsed;
       return;
     }
     case SelectiveCache::EntryState::Consumed:
@@ -531,10 +550,18 @@ std::vector<OpSummary> SelectiveCache::summary() const {
       continue;
     }
     OpSummary s{op_display_name(record->op)};
+    s.recomputes_by_call.reserve(record->entries.size());
     for (const Entry& e : record->entries) {
-      (e.state == EntryState::Recompute ? s.dropped : s.saved) += 1;
+      const bool saved = e.state != EntryState::Recompute;
+      (saved ? s.saved : s.dropped) += 1;
+      if (e.made_new) {
+        (saved ? s.saved_new : s.dropped_new) += 1;
+        (saved ? s.saved_bytes : s.dropped_bytes) += e.new_bytes;
+      }
+      s.recomputes_by_call.push_back(e.recomputed);
     }
     s.recomputed = record->recomputed;
+    s.recompute_ns = record->recompute_ns;
     out.push_back(std::move(s));
   }
   return out;

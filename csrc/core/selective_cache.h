@@ -56,6 +56,8 @@ struct SelectiveCacheStats {
   int64_t invalidated_ops = 0;
   // Writes recompute made to a copy because forward already made them.
   int64_t redirected_writes = 0;
+  // Time spent running the ops recompute re-ran (not its cache hits).
+  int64_t recompute_ns = 0;
 };
 
 // What happened to one op overload's calls in a region.
@@ -64,6 +66,15 @@ struct OpSummary {
   int64_t saved = 0;      // calls whose outputs were cached in forward
   int64_t dropped = 0;    // calls left to recompute
   int64_t recomputed = 0; // calls re-run during recompute
+  // The same calls counted as the region engine counts them, so profiles of
+  // both engines compare: only calls that made new tensors (no view, no
+  // in-place op), and the storage bytes of those tensors.
+  int64_t saved_new = 0;
+  int64_t dropped_new = 0;
+  int64_t saved_bytes = 0;
+  int64_t dropped_bytes = 0;
+  int64_t recompute_ns = 0;
+  std::vector<int64_t> recomputes_by_call;  // by forward call index
 };
 
 class SelectiveCache {
@@ -103,6 +114,12 @@ class SelectiveCache {
     std::vector<InputSeen> inputs;      // in for_each_tensor order
     std::vector<StorageWritten> writes;
     int64_t position = 0;               // among all ops forward recorded
+    // Whether the call made new tensors (an output on a storage no argument
+    // lives on), and their storage bytes: what a profile reports as kept or
+    // dropped.
+    bool made_new = false;
+    int64_t new_bytes = 0;
+    int64_t recomputed = 0;             // times recompute re-ran this call
   };
 
   // Everything the region knows about one op overload, found with a single
@@ -112,12 +129,14 @@ class SelectiveCache {
     bool ignored = false;           // in the ignored set: never cached
     std::vector<size_t> written_args;
     bool returns_written_arg = false;  // in-place and out= ops
+    bool returns_alias = false;        // views, in-place and out= ops
     bool draws_random = false;         // nondeterministic_seeded: never cached...
     std::optional<size_t> dropout_p_arg;  // ...unless its `dropout_p` is 0 (SDPA)
     std::vector<Entry> entries;     // indexed by forward call index
     int64_t forward_calls = 0;      // call counter of the caching handler
     int64_t recompute_calls = 0;    // call counter of the cached handler
     int64_t recomputed = 0;         // calls re-run during recompute
+    int64_t recompute_ns = 0;       // their time
     c10::OperatorHandle op;
   };
 
@@ -148,8 +167,7 @@ class SelectiveCache {
   friend class CachedHandler;
 
 
-  void cache_outputs(OpRecord& record, int64_t call_index, c10::ArrayRef<c10::IValue> outputs,
-                     bool op_returns_alias);
+  void cache_outputs(OpRecord& record, int64_t call_index, c10::ArrayRef<c10::IValue> outputs);
   // Drops the cached entries whose outputs live on `storage`.
   void invalidate(const c10::StorageImpl* storage);
   void watch_aliases(c10::ArrayRef<c10::IValue> outputs);

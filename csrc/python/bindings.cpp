@@ -65,12 +65,30 @@ PYBIND11_MODULE(_C, m) {
         d["cache_hits"] = s.cache_hits;
         d["invalidated_ops"] = s.invalidated_ops;
         d["redirected_writes"] = s.redirected_writes;
+        d["recompute_ns"] = s.recompute_ns;
         return d;
       })
       .def("op_summary", [](const SelectiveCheckpoint& self) {
         std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
         for (const auto& s : self.cache->summary()) {
           rows.emplace_back(s.op, s.saved, s.dropped, s.recomputed);
+        }
+        return rows;
+      })
+      // The keys of Region.op_details, so a profile reads both engines alike.
+      .def("op_details", [](const SelectiveCheckpoint& self) {
+        py::list rows;
+        for (const auto& s : self.cache->summary()) {
+          py::dict d;
+          d["op"] = s.op;
+          d["saved"] = s.saved_new;
+          d["dropped"] = s.dropped_new;
+          d["replayed"] = s.recomputed;
+          d["saved_bytes"] = s.saved_bytes;
+          d["dropped_bytes"] = s.dropped_bytes;
+          d["replay_ns"] = s.recompute_ns;
+          d["replays_by_call"] = s.recomputes_by_call;
+          rows.append(std::move(d));
         }
         return rows;
       });

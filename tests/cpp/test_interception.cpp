@@ -5,6 +5,8 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "csrc/core/interceptor.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
@@ -209,6 +211,44 @@ TEST_F(SelectiveCacheTest, RecomputeReturnsCachedOutputsAndRerunsTheRest) {
   EXPECT_TRUE(at::equal(r, y));
   EXPECT_EQ(sac.cache->stats().cache_hits, 1);
   EXPECT_EQ(sac.cache->stats().recomputed_ops, 1);
+}
+
+TEST_F(SelectiveCacheTest, SummaryCountsNewTensorsAndRecomputesPerCall) {
+  auto sac = make_selective_checkpoint(policies::save_ops({{"aten::mm", std::nullopt}}), false);
+  auto a = at::randn({3, 3}).requires_grad_();
+  auto b = at::randn({3, 3});
+  sac.cache->begin_forward();
+  {
+    KeyAdapterScope scope(sac.caching);
+    at::sin(a).t().relu_();  // a view and an in-place op make no new tensor
+  }
+  forward(sac, a, b);
+  recompute(sac, a, b);
+  std::map<std::string, OpSummary> rows;
+  for (auto& s : sac.cache->summary()) {
+    rows.emplace(s.op, std::move(s));
+  }
+  const OpSummary& mm = rows.at("aten::mm.default");
+  EXPECT_EQ(mm.saved_new, 1);
+  EXPECT_EQ(mm.saved_bytes, 9 * 4);
+  EXPECT_EQ(mm.recomputes_by_call, (std::vector<int64_t>{0}));
+  EXPECT_EQ(rows.at("aten::sin.default").dropped_bytes, 9 * 4);
+  for (const char* op : {"aten::t.default", "aten::relu_.default"}) {
+    EXPECT_EQ(rows.at(op).dropped, 1) << op;  // every call counts in op_summary
+    EXPECT_EQ(rows.at(op).dropped_new + rows.at(op).saved_new, 0) << op;
+    EXPECT_EQ(rows.at(op).dropped_bytes, 0) << op;
+  }
+  // Recompute met relu (the first call was relu_): one re-run, of call 0.
+  const OpSummary& relu = rows.at("aten::relu.default");
+  EXPECT_EQ(relu.dropped_new, 1);
+  EXPECT_EQ(relu.dropped_bytes, 9 * 4);
+  EXPECT_EQ(relu.recomputed, 1);
+  EXPECT_EQ(relu.recomputes_by_call, (std::vector<int64_t>{1}));
+  int64_t recompute_ns = 0;
+  for (const auto& [op, s] : rows) {
+    recompute_ns += s.recompute_ns;
+  }
+  EXPECT_EQ(sac.cache->stats().recompute_ns, recompute_ns);
 }
 
 TEST_F(SelectiveCacheTest, SecondRecomputeRaisesLikeTorch) {

@@ -878,6 +878,37 @@ def test_stats_extremes(which):
         assert 0 < s["recomputed_ops"] <= s["policy_calls"]
 
 
+def test_op_details_count_new_tensors_as_a_region_does():
+    """op_details() counts calls that made new tensors with their storage
+    bytes (views, `_unsafe_view` and in-place ops make none); op_summary()
+    counts every call. Replays are the calls recompute re-ran, per call."""
+    def fn(x, w):
+        h = (x @ w).sin()              # view, mm, _unsafe_view, then a new tensor
+        h.mul_(2)                      # in place
+        return (h.view(12, 4) @ w).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 4, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, generator=g, requires_grad=True)
+    fwd, rec = torch_sac.create_selective_checkpoint_contexts([aten.mm])
+    tc.checkpoint(fn, x, w, use_reentrant=False, context_fn=lambda: (fwd, rec)).backward()
+    details = {d["op"]: d for d in fwd.op_details()}
+    assert details == {d["op"]: d for d in rec.op_details()}
+    summary = {op: (saved, dropped) for op, saved, dropped, _ in fwd.op_summary()}
+    mm = details["aten::mm.default"]
+    assert (mm["saved"], mm["dropped"], mm["saved_bytes"], mm["dropped_bytes"]) == (2, 0, 2 * 12 * 4 * 4, 0)
+    assert mm["replayed"] == 0 and mm["replays_by_call"] == [0, 0]
+    sin = details["aten::sin.default"]
+    assert (sin["saved"], sin["dropped"], sin["dropped_bytes"]) == (0, 1, 12 * 4 * 4)
+    assert sin["replayed"] == 1 and sin["replays_by_call"] == [1]
+    for op in ("aten::_unsafe_view.default", "aten::view.default", "aten::mul_.Tensor"):
+        assert (details[op]["saved"], details[op]["dropped"], details[op]["dropped_bytes"]) == (0, 0, 0), op
+        assert summary[op][1] > 0, op
+    stats = fwd.stats()
+    assert stats["recomputed_ops"] == sum(d["replayed"] for d in details.values()) > 0
+    assert stats["recompute_ns"] == sum(d["replay_ns"] for d in details.values())
+
+
 def test_policy_sees_python_numbers_as_pytorch_sac_passes_them():
     """`x * 2.5` and `x + 3`: the policy gets the Python number, as
     PyTorch's SAC passes it from __torch_dispatch__, under both adapters and

@@ -3,15 +3,19 @@ own counters, per-op rows against totals, serialisation, the table and the
 plot, misuse errors, replay FLOPs, and the memory bound of budget policies
 measured with it (region engine and drop-in contexts)."""
 
+import gc
 import json
 import sys
+import weakref
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_sac
-from conftest import RUN_SEED, aten, assert_grads_equal, forward, loss_of, run_model, sac_context_fn
+from conftest import (
+    RUN_SEED, ContextRecorder, aten, assert_grads_equal, forward, loss_of, run_model, sac_context_fn,
+)
 from models import MODEL_BUILDERS, REGION_MODEL_BUILDERS, Stack
 from torch_sac.profiler import _OP_FIELDS, _REGION_FIELDS, plot_memory
 
@@ -172,7 +176,7 @@ def test_baseline_without_regions():
     # Replays are not dispatched through Python: backward FLOPs match.
     assert plain.totals["backward_flops"] == sac.totals["backward_flops"]
     text = plain.table()
-    assert "no sac_context region was entered" in text
+    assert "no sac_context region or drop-in context was entered" in text
 
 
 def test_only_outermost_regions_entered_while_active_are_profiled():
@@ -239,6 +243,192 @@ def test_replay_flops_of_a_gpt_stack_are_exact():
     t = prof.totals
     assert t["replay_flops_low"] == t["replay_flops"] == t["replay_flops_high"] > 0
     assert "~" not in prof.table()
+
+
+# --------------------------------------------------------------------------
+# Drop-in contexts (create_selective_checkpoint_contexts)
+# --------------------------------------------------------------------------
+
+def dropin_step(policy_factory, recorder=None):
+    """gpt4, one drop-in pair per block, profiled; returns (profile, forward contexts)."""
+    rec = recorder or ContextRecorder()
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    torch.manual_seed(RUN_SEED)
+    with torch_sac.profile() as prof:
+        loss = loss_of(forward(module, x, sac_context_fn(policy_factory, recorder=rec)))
+        loss.backward()
+        del loss
+    return prof, [fwd for fwd, _ in rec.pairs]
+
+
+def rows_by_op(prof):
+    return {r["op"]: r for r in prof.ops}
+
+
+def assert_rows_sum_to_totals(prof):
+    t = prof.totals
+    for field, total in [("saved", "saved_ops"), ("dropped", "dropped_ops"), ("saved_bytes", "saved_bytes"),
+                         ("dropped_bytes", "dropped_bytes"), ("replayed", "replayed_ops"),
+                         ("replay_ns", "replay_ns"), ("replay_flops", "replay_flops"),
+                         ("forward_flops", "region_forward_flops")]:
+        assert sum(r[field] for r in prof.ops) == t[total], field
+
+
+@pytest.mark.parametrize("policy_name", ["save_matmuls", "recompute_all"])
+def test_dropin_rows_match_the_region_engine(policy_name):
+    """The same policy on the same blocks: the drop-in's rows report the
+    calls and bytes the region reports, and the FLOPs its recompute re-runs
+    count as replay FLOPs, not as backward FLOPs."""
+    plain, _, _ = step("gpt4")
+    region, _, _ = step("gpt4", policy_of(policy_name))
+    dropin, contexts = dropin_step(lambda: policy_of(policy_name))
+    t, rt = dropin.totals, region.totals
+    assert t["regions"] == len(contexts) == 4
+    assert [r["engine"] for r in dropin.to_dict()["regions"]] == ["dropin"] * 4
+    ours, theirs = rows_by_op(dropin), rows_by_op(region)
+    assert set(ours) == set(theirs)
+    for op, row in ours.items():
+        for k in ("saved", "dropped", "saved_bytes", "dropped_bytes", "forward_calls", "forward_flops",
+                  "replay_flops"):
+            assert row[k] == theirs[op][k], (op, k)
+        assert row["replay_flops_exact"]
+    for k in ("saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "policy_calls",
+              "region_forward_flops", "forward_flops", "replay_flops"):
+        assert t[k] == rt[k], k
+    assert t["dropped_bytes"] > 0 and t["forward_flops"] > 0
+    # The drop-in's own counters: replays are its recomputes, and the fields
+    # it has no counterpart for are 0.
+    stats = [c.stats() for c in contexts]
+    assert t["replayed_ops"] == sum(s["recomputed_ops"] for s in stats) > 0
+    assert t["replay_ns"] == sum(s["recompute_ns"] for s in stats)
+    assert t["policy_calls"] == sum(s["policy_calls"] for s in stats)
+    for k in ("held_bytes", "packed_kept", "packed_dropped", "unpacked_original", "record_ns"):
+        assert t[k] == 0, k
+    assert_rows_sum_to_totals(dropin)
+    # Recompute is not backward: backward FLOPs are those of the step
+    # without checkpointing.
+    assert t["backward_flops"] == plain.totals["backward_flops"] > 0
+    if policy_name == "recompute_all":
+        assert t["replay_flops"] == t["region_forward_flops"] == plain.totals["forward_flops"]
+    else:
+        # save_matmuls caches every FLOP-counted op: recompute passes
+        # through the matmuls as cache hits, which run nothing.
+        assert t["replay_flops"] == 0
+        assert ours["aten::addmm.default"]["saved"] > 0
+    text = dropin.table()
+    assert "4 region(s) (0 sac_context, 4 drop-in)" in text
+    assert "autograd saved" not in text
+
+
+def test_dropin_recompute_flops_are_those_of_the_dropped_matmul_calls():
+    """save addmm, drop bmm: recompute re-runs every bmm call once (each
+    feeds a tensor backward needs) and serves the addmms from the cache."""
+    plain, _, _ = step("gpt4")
+    prof, contexts = dropin_step(lambda: torch_sac.policies.save_ops([aten.addmm]))
+    rows = rows_by_op(prof)
+    bmm, addmm = rows["aten::bmm.default"], rows["aten::addmm.default"]
+    by_call = [n for c in contexts for d in c.op_details() if d["op"] == "aten::bmm.default"
+               for n in d["replays_by_call"]]
+    assert by_call == [1] * bmm["forward_calls"] and bmm["replayed"] == bmm["dropped"] == 8
+    assert bmm["replay_flops"] == bmm["forward_flops"] > 0
+    assert addmm["forward_flops"] > 0 and addmm["replayed"] == 0 and addmm["replay_flops"] == 0
+    assert prof.totals["replay_flops"] == bmm["forward_flops"]
+    assert prof.totals["backward_flops"] == plain.totals["backward_flops"]
+    assert_rows_sum_to_totals(prof)
+
+
+def test_plain_torch_checkpoint_recompute_counts_as_backward():
+    """Without torch_sac's contexts the profile lists no region, and the
+    re-run forward is counted in backward FLOPs."""
+    plain, _, _ = step("gpt4")
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    with torch_sac.profile() as prof:
+        loss_of(forward(module, x, torch.utils.checkpoint.noop_context_fn)).backward()
+    t = prof.totals
+    assert t["regions"] == 0 and prof.ops == [] and t["replay_flops"] == 0
+    assert t["forward_flops"] == plain.totals["forward_flops"]
+    assert t["backward_flops"] > plain.totals["backward_flops"]
+
+
+def test_region_and_dropin_in_one_profile():
+    plain = run_model(REGION_MODEL_BUILDERS["gpt4"])
+    plain_prof, _, _ = step("gpt4")
+    rec = ContextRecorder()
+    regions = []
+    policy = torch_sac.policies.recompute_all
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    torch.manual_seed(RUN_SEED)
+    with torch_sac.profile() as prof:
+        h = x
+        for i, block in enumerate(module):
+            if i % 2 == 0:
+                with torch_sac.sac_context(policy()) as region:
+                    h = block(h)
+                regions.append(region)
+            else:
+                h = forward(block, h, sac_context_fn(policy, recorder=rec))
+        loss = loss_of(h)
+        del h
+        loss.backward()
+        del loss
+    for n, p in module.named_parameters():
+        assert torch.equal(p.grad, plain.param_grads[n]), n
+    t = prof.totals
+    assert [r["engine"] for r in prof.to_dict()["regions"]] == ["sac_context", "dropin"] * 2
+    assert "4 region(s) (2 sac_context, 2 drop-in)" in prof.table()
+    dropins = [fwd for fwd, _ in rec.pairs]
+    for k, field in (("saved_ops", "saved"), ("dropped_ops", "dropped"), ("dropped_bytes", "dropped_bytes")):
+        expected = (sum(r.stats()[k] for r in regions)
+                    + sum(d[field] for fwd in dropins for d in fwd.op_details()))
+        assert t[k] == expected, k
+    assert t["policy_calls"] == (sum(r.stats()["policy_calls"] for r in regions)
+                                 + sum(fwd.stats()["policy_calls"] for fwd in dropins))
+    assert t["record_ns"] == sum(r.stats()["record_ns"] for r in regions) > 0
+    assert t["replay_flops"] == t["region_forward_flops"] == t["forward_flops"] > 0
+    assert t["backward_flops"] == plain_prof.totals["backward_flops"]
+    assert_rows_sum_to_totals(prof)
+
+
+def test_profile_does_not_keep_dropin_contexts_alive():
+    """Counters are read when forward and recompute end: the contexts, and
+    the outputs they cached that recompute never consumed, go with the graph."""
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    x = make_input()
+    rec = ContextRecorder()
+    with torch_sac.profile() as prof:
+        loss = loss_of(forward(module, x, sac_context_fn(torch_sac.policies.save_matmuls, recorder=rec)))
+        loss.backward()
+        del loss
+        refs = [weakref.ref(fwd) for fwd, _ in rec.pairs]
+        rec.pairs.clear()
+        gc.collect()
+        assert all(r() is None for r in refs)
+    assert prof.totals["regions"] == 4 and prof.totals["saved_ops"] > 0 and prof.totals["replayed_ops"] > 0
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_apply_sac_op_details_and_profile_rows(engine):
+    module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
+    handle = torch_sac.apply_sac(module, torch_sac.policies.save_matmuls(), engine=engine)
+    torch.manual_seed(RUN_SEED)
+    with torch_sac.profile() as prof:
+        loss_of(module(make_input())).backward()
+    details = handle.op_details()
+    assert set(details) == set(handle.modules) and len(details) == 4
+    summed = {}
+    for rows in details.values():
+        for d in rows:
+            assert set(d) == {"op", "replays_by_call", *_OP_FIELDS}
+            row = summed.setdefault(d["op"], dict.fromkeys(_OP_FIELDS, 0))
+            for k in _OP_FIELDS:
+                row[k] += d[k]
+    assert {r["op"]: {k: r[k] for k in _OP_FIELDS} for r in prof.ops} == summed
+    addmm = summed["aten::addmm.default"]
+    assert addmm["saved"] == 16 and addmm["dropped"] == 0 and addmm["saved_bytes"] > 0
+    assert prof.totals["regions"] == 4 and prof.totals["replayed_ops"] > 0
 
 
 # --------------------------------------------------------------------------
