@@ -142,6 +142,10 @@ class profile:
       and backward's gradient seed when the boundary is detected).
       ``peak_bytes``: the highest level during the block, above the level at
       entry.
+    * ``most_replays`` (per op): the most times one call of it was replayed
+      (above 1 under a ``replay_budget`` or ``replay_schedule``: multiple
+      recomputation; the table then shows a "most per call" column, and
+      :meth:`plot` draws the level forward left plus the replay budget).
     * ``replay_ns``: time backward spent replaying dropped ops, measured in
       C++ around each replayed op. ``record_ns``: time the regions spent
       recording ops in forward, outside the ops themselves (the interception
@@ -361,6 +365,7 @@ class profile:
         self._regions.append({
             "ctx": ctx, "engine": "dropin" if dropin else "sac_context", "ops": {},
             "recompute_flops": {}, "counters": None, "enter": None, "exit": None,
+            "replay_budget": None if dropin else ctx._replay_budget,
         })
         if dropin:
             self._dropins[ctx] = index
@@ -475,6 +480,7 @@ class profile:
                 row = ops.setdefault(d["op"], _empty_row(d["op"]))
                 for k in _OP_FIELDS:
                     row[k] += d[k]
+                row["most_replays"] = max(row["most_replays"], max(d.get("replays_by_call") or [0]))
                 flops = calls.get(d["op"], [])
                 row["forward_calls"] += len(flops)
                 row["forward_flops"] += sum(flops)
@@ -497,6 +503,7 @@ class profile:
             regions.append({
                 "index": index,
                 "engine": r["engine"],
+                "replay_budget": r["replay_budget"],
                 "enter_sample": enter,
                 "exit_sample": exit_,
                 "forward_delta_bytes": (
@@ -722,7 +729,7 @@ def _empty_row(op):
     row.update({k: 0 for k in _OP_FIELDS})
     row.update({
         "forward_calls": 0, "forward_flops": 0, "replay_flops": 0.0, "replay_flops_low": 0,
-        "replay_flops_high": 0, "replay_flops_exact": True,
+        "replay_flops_high": 0, "replay_flops_exact": True, "most_replays": 0,
     })
     return row
 
@@ -792,16 +799,29 @@ def _format_table(data, max_rows, sort_by):
             "(memory, time and FLOP totals below cover the whole block)"
         )
     else:
-        header = ["op", "saved", "dropped", "kept", "dropped", "replayed", "replay time"]
+        # Multiple recomputation (a replay budget or schedule): the most
+        # times one call was replayed, per op.
+        most = any(r.get("most_replays", 0) > 1 for r in data["ops"])
+        header = ["op", "saved", "dropped", "kept", "dropped", "replayed"]
+        units = ["", "calls", "calls", "bytes", "bytes", ""]
+        if most:
+            header.append("most")
+            units.append("per call")
+        header.append("replay time")
+        units.append("")
         if flops:
             header.append("replay FLOPs")
-        table = [header, ["", "calls", "calls", "bytes", "bytes", "", ""] + ([""] if flops else [])]
+            units.append("")
+        table = [header, units]
 
         def fmt(r):
             cells = [
                 r["op"], str(r["saved"]), str(r["dropped"]), format_bytes(r["saved_bytes"]),
-                format_bytes(r["dropped_bytes"]), str(r["replayed"]), _ms(r["replay_ns"]),
+                format_bytes(r["dropped_bytes"]), str(r["replayed"]),
             ]
+            if most:
+                cells.append(str(r["most_replays"]) if "most_replays" in r else "")
+            cells.append(_ms(r["replay_ns"]))
             if flops:
                 est = _flops_str(r["replay_flops"])
                 cells.append(est if r["replay_flops_exact"] else "~" + est)
@@ -903,6 +923,14 @@ def _plot_timelines(ax, curves, highlight):
         fe = data["forward_end"]
         if fe is not None:
             ax.axvline(t_ms[fe["sample"]], color=line.get_color(), ls=":", lw=1)
+            budgets = [r.get("replay_budget") for r in data["regions"]]
+            budgets = [b for b in budgets if b is not None]
+            if budgets:
+                # Rebuilt tensors held in backward stay under the budgets:
+                # above what forward left, memory for them stays below this.
+                level = tl["bytes"][fe["sample"]] + sum(budgets)
+                ax.axhline(level / 2**20, color=line.get_color(), ls="--", lw=1,
+                           label=f"{name}: forward end + replay budget")
         if name == highlight:
             for r in data["regions"]:
                 if r["exit_sample"] is not None:

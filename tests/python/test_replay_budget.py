@@ -336,3 +336,31 @@ def test_schedule_argument_errors():
         with pytest.raises(ValueError, match="outermost region"):
             with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=schedule):
                 pass
+
+
+def test_profile_shows_multiple_recomputation_and_the_budget_line(tmp_path):
+    layers, x, forward, size = tanh_chain(10)
+    with torch_sac.profile(label="budget") as prof:
+        with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=2 * size) as region:
+            out = forward()
+        out.sum().backward()
+    (row,) = [r for r in prof.ops if r["op"] == "aten::tanh.default"]
+    assert row["most_replays"] == max(tanh_replays(region)["replays_by_call"]) > 1
+    assert prof.to_dict()["regions"][0]["replay_budget"] == 2 * size
+    table = prof.table()
+    header = table.splitlines()[1]
+    assert "most" in header
+    tanh_line = next(line for line in table.splitlines() if line.startswith("aten::tanh.default"))
+    assert f" {row['most_replays']} " in tanh_line
+    pytest.importorskip("matplotlib")
+    path = prof.plot(str(tmp_path / "budget.png"))
+    assert (tmp_path / "budget.png").stat().st_size > 0 and path.endswith(".png")
+
+
+def test_profile_table_has_no_most_column_without_multiple_recomputation():
+    layers, x, forward, size = tanh_chain(6)
+    with torch_sac.profile() as prof:
+        with torch_sac.sac_context(RECOMPUTE_ALL()):
+            out = forward()
+        out.sum().backward()
+    assert "most" not in prof.table().splitlines()[1]
