@@ -50,6 +50,8 @@ ENGINES = (
     "fsdp2_region_nested",               # 2(c)
     "fsdp2_region_two_blocks_layerscale",  # 2(d)
     "fsdp2_checkpoint_wrapper",          # 3
+    "fsdp2_apply_sac_before",            # apply_sac, then fully_shard
+    "fsdp2_apply_sac_after",             # fully_shard, then apply_sac
     "fsdp1_apply_ac",                    # 4
 )
 POLICIES = ("save_matmuls", "recompute_all")
@@ -162,6 +164,8 @@ def _build(engine, variant, policy_name, pg):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.nn.parallel import DistributedDataParallel
 
+    import torch_sac
+
     Block, Model = _worker_models()
     torch.manual_seed(1234)
     if engine in ("fsdp2_region_two_blocks", "fsdp2_region_two_blocks_layerscale"):
@@ -182,14 +186,23 @@ def _build(engine, variant, policy_name, pg):
 
     if engine.startswith("fsdp2"):
         mesh = DeviceMesh.from_group(pg, "cpu")
+        apply_sac_case = engine.startswith("fsdp2_apply_sac")
+        by_apply_sac = apply_sac_case and variant == "sac"
+        if by_apply_sac and engine.endswith("_before"):
+            model.sac_handle = torch_sac.apply_sac(model, _policy(policy_name), modules=Block)
         for i, block in enumerate(model.blocks):
-            if engine == "fsdp2_checkpoint_wrapper" and variant != "ref":
+            # checkpoint_wrapper with torch_sac's or PyTorch's contexts; in the
+            # apply_sac cases only PyTorch's, the comparison.
+            if variant != "ref" and (engine == "fsdp2_checkpoint_wrapper"
+                                     or (apply_sac_case and variant == "torch")):
                 block = checkpoint_wrapper(block, context_fn=_context_fn(variant, policy_name))
                 model.blocks[i] = block
             if engine == "fsdp2_region_nested":
                 fully_shard(block.fc1, mesh=mesh)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if by_apply_sac and engine.endswith("_after"):
+            model.sac_handle = torch_sac.apply_sac(model, _policy(policy_name), modules=Block)
         return model, model
 
     assert engine == "fsdp1_apply_ac"
@@ -249,6 +262,9 @@ def _train(engine, variant, policy_name, rank, warm, mem_out, fault=None):
             loss = (model(x) * w).sum()
         if step == first:
             mem_out[variant] = {"delta": fwd.delta, "peak": fwd.peak}
+            handle = getattr(model, "sac_handle", None)
+            if handle is not None:
+                mem_out[variant]["dropped_ops"] = handle.stats()["total"].get("dropped_ops", 0)
         loss.backward()
         if step == first:
             grads = {_clean_name(n): _local(p.grad) for n, p in model.named_parameters()}
@@ -541,6 +557,10 @@ def test_distributed(case, distributed_results):
         mism = rec["torch_sac_mismatch"]
         assert not mism, f"{case}: rank {rank}: torch_sac differs from the un-checkpointed run:\n" + \
             "\n".join(mism[:10])
+        if case.startswith("fsdp2_apply_sac"):
+            # Bitwise gradients would not notice apply_sac doing nothing: its
+            # regions must have run and dropped ops (4 blocks' worth).
+            assert rec["mem"]["sac"].get("dropped_ops", 0) >= 4, f"{case}: {_report(case, outcome)}"
 
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "--worker":
