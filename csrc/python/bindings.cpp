@@ -23,6 +23,28 @@
 namespace py = pybind11;
 using namespace torch_sac;
 
+namespace {
+
+// One row of op_details(), the same keys for the region and the drop-in, so
+// a profile reads both engines alike.
+py::dict op_details_row(
+    const std::string& op, int64_t saved, int64_t dropped, int64_t replayed,
+    int64_t saved_bytes, int64_t dropped_bytes, int64_t replay_ns,
+    const std::vector<int64_t>& replays_by_call) {
+  py::dict d;
+  d["op"] = op;
+  d["saved"] = saved;
+  d["dropped"] = dropped;
+  d["replayed"] = replayed;
+  d["saved_bytes"] = saved_bytes;
+  d["dropped_bytes"] = dropped_bytes;
+  d["replay_ns"] = replay_ns;
+  d["replays_by_call"] = replays_by_call;
+  return d;
+}
+
+} // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_sac C++ core";
   py::register_exception_translator([](std::exception_ptr error) {
@@ -75,20 +97,11 @@ PYBIND11_MODULE(_C, m) {
         }
         return rows;
       })
-      // The keys of Region.op_details, so a profile reads both engines alike.
       .def("op_details", [](const SelectiveCheckpoint& self) {
         py::list rows;
         for (const auto& s : self.cache->summary()) {
-          py::dict d;
-          d["op"] = s.op;
-          d["saved"] = s.saved_new;
-          d["dropped"] = s.dropped_new;
-          d["replayed"] = s.recomputed;
-          d["saved_bytes"] = s.saved_bytes;
-          d["dropped_bytes"] = s.dropped_bytes;
-          d["replay_ns"] = s.recompute_ns;
-          d["replays_by_call"] = s.recomputes_by_call;
-          rows.append(std::move(d));
+          rows.append(op_details_row(s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes,
+                                     s.dropped_bytes, s.recompute_ns, s.recomputes_by_call));
         }
         return rows;
       });
@@ -219,16 +232,8 @@ PYBIND11_MODULE(_C, m) {
         }
         py::list rows;
         for (const auto& s : summary) {
-          py::dict d;
-          d["op"] = s.op;
-          d["saved"] = s.saved;
-          d["dropped"] = s.dropped;
-          d["replayed"] = s.replayed;
-          d["saved_bytes"] = s.saved_bytes;
-          d["dropped_bytes"] = s.dropped_bytes;
-          d["replay_ns"] = s.replay_ns;
-          d["replays_by_call"] = s.replays_by_call;
-          rows.append(std::move(d));
+          rows.append(op_details_row(s.op, s.saved, s.dropped, s.replayed, s.saved_bytes,
+                                     s.dropped_bytes, s.replay_ns, s.replays_by_call));
         }
         return rows;
       });

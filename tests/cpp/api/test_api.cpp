@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "csrc/core/interceptor.h"
+#include "tests/cpp/api/gradients.h"
 
 namespace torch_sac {
 namespace {
@@ -44,29 +45,11 @@ at::Tensor block(const Params& p, const at::Tensor& x) {
   return x + scores * x.tanh();
 }
 
-// Runs forward (through `forward`, which may open regions) and backward on a
-// fixed input and dropout seed; returns the gradients of the input and the
-// parameters.
 std::vector<at::Tensor> gradients(const Params& p, const std::function<at::Tensor(const at::Tensor&)>& forward) {
-  at::manual_seed(1);
-  const auto x = at::randn({8, 32}).requires_grad_();
-  at::manual_seed(2);
-  at::Tensor y = forward(x);
-  y.pow(2).sum().backward();
-  std::vector<at::Tensor> grads{x.grad().clone()};
-  for (const at::Tensor& t : p.all()) {
-    grads.push_back(t.grad().clone());
-    t.mutable_grad().reset();
-  }
-  return grads;
+  return testing::step_gradients({8, 32}, p.all(), forward);
 }
 
-void expect_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(at::equal(a[i], b[i])) << "gradient " << i << " differs";
-  }
-}
+using testing::expect_bitwise_equal;
 
 // `op` as the region names it: "aten::mm.default".
 int64_t count_op(const std::vector<RegionOpSummary>& details, const std::string& op, int64_t RegionOpSummary::*field) {

@@ -11,6 +11,8 @@
 
 #include <torch_sac/torch_sac.h>
 
+#include "tests/cpp/api/gradients.h"
+
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -69,27 +71,11 @@ at::Tensor attention_block(const Weights& w, const at::Tensor& x) {
   return y + at::linear(m, w.w2);
 }
 
-// Gradients of the input and weights for one forward (through `forward`)
-// and backward on a fixed input and dropout seed.
 std::vector<at::Tensor> gradients(const Weights& w, const std::function<at::Tensor(const at::Tensor&)>& forward) {
-  at::manual_seed(1);
-  const auto x = at::randn({B, T, C}).requires_grad_();
-  at::manual_seed(2);
-  forward(x).pow(2).sum().backward();
-  std::vector<at::Tensor> grads{x.grad().clone()};
-  for (const at::Tensor& t : w.all()) {
-    grads.push_back(t.grad().clone());
-    t.mutable_grad().reset();
-  }
-  return grads;
+  return testing::step_gradients({B, T, C}, w.all(), forward);
 }
 
-void expect_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(at::equal(a[i], b[i])) << "gradient " << i << " differs";
-  }
-}
+using testing::expect_bitwise_equal;
 
 const PlannedCall* find_call(const BudgetPlan& plan, const std::string& op, int64_t call_index = 0) {
   for (const PlannedCall& call : plan.calls) {
