@@ -20,12 +20,21 @@ TEST(ReplayBudget, NothingFreeKeepsNothing) {
   EXPECT_TRUE(choose_checkpoints({}, 9, 100).empty());
 }
 
-TEST(ReplayBudget, UsesAtMostHalfOfWhatIsFreeEvenlySpaced) {
-  // 16 equal cuts of 10 bytes, 80 free: at most 4 checkpoints (40 bytes).
-  const auto chosen = choose_checkpoints(uniform_cuts(15, 10), 16, 80);
-  ASSERT_EQ(chosen.size(), 4u);
-  // Windows of width 16/5 around 3.2, 6.4, 9.6, 12.8: the last cut in each.
-  EXPECT_EQ(chosen, (std::vector<size_t>{3, 7, 10, 13}));
+TEST(ReplayBudget, CutsOfOneSizeFollowTheOptimalReversal) {
+  // 15 cuts of 10 bytes (a chain of 16 equal steps), 30 bytes free: 4 slots
+  // with the tensor handed over. The optimal reversal (T(16, 4) = 30 steps,
+  // tests/python/chain_oracle.py) keeps these on its first sweep.
+  EXPECT_EQ(choose_checkpoints(uniform_cuts(15, 10), 16, 30), (std::vector<size_t>{4, 8, 12}));
+  EXPECT_EQ(choose_checkpoints(uniform_cuts(15, 10), 16, 10), (std::vector<size_t>{10}));
+  // Room for every cut: all of them.
+  EXPECT_EQ(choose_checkpoints(uniform_cuts(4, 10), 5, 1000).size(), 4u);
+}
+
+TEST(ReplayBudget, TheTailIsServedFirst) {
+  // The 30 free bytes are all needed by the tail: no checkpoint.
+  EXPECT_TRUE(choose_checkpoints(uniform_cuts(15, 10), 16, 30, /*tail_bytes=*/30).empty());
+  EXPECT_EQ(choose_checkpoints(uniform_cuts(15, 10), 16, 40, /*tail_bytes=*/30),
+            (std::vector<size_t>{10}));
 }
 
 TEST(ReplayBudget, PrefersTheCheapestCutInEachWindow) {
@@ -42,9 +51,13 @@ TEST(ReplayBudget, PrefersTheCheapestCutInEachWindow) {
 }
 
 TEST(ReplayBudget, OneCheckpointWhenHalfFitsNone) {
-  // 10 bytes free, cuts of 10: none fits in 5, one fits in 10: the last
-  // in the window (2.5, 7.5] around the middle.
-  const auto chosen = choose_checkpoints(uniform_cuts(9, 10), 10, 10);
+  // Cuts of 10 and 12 bytes (not one size: spaced), 12 free: none fits in 6,
+  // one fits in 12: the last in the window (2.5, 7.5] around the middle.
+  std::vector<ReplayCut> cuts;
+  for (int i = 1; i <= 9; ++i) {
+    cuts.push_back({static_cast<double>(i), i % 2 ? 10 : 12});
+  }
+  const auto chosen = choose_checkpoints(cuts, 10, 12);
   ASSERT_EQ(chosen.size(), 1u);
   EXPECT_EQ(chosen[0], 6u);
 }

@@ -398,7 +398,15 @@ std::unordered_set<int32_t> Region::memos_within_budget(
   // The tensor being rebuilt is returned to autograd, and counts.
   const int64_t free_bytes = replay_budget_ - strong_memo_bytes() - storages_[target].nbytes;
   std::unordered_set<int32_t> allowed;
-  const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes);
+  // What the unpacks right after this one need: the candidates past the
+  // last cut.
+  int64_t tail_bytes = 0;
+  for (int32_t s : candidates) {
+    if (cut_after.empty() || made_at.at(s) > cut_after.back()) {
+      tail_bytes += storages_[s].nbytes;
+    }
+  }
+  const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes, tail_bytes);
   if (!chosen.empty()) {
     // Sweep again, collecting what crosses each chosen cut.
     std::unordered_set<int32_t> live;

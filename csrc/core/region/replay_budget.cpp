@@ -1,6 +1,7 @@
 #include "replay_budget.h"
 
 #include <algorithm>
+#include <mutex>
 
 namespace torch_sac::region {
 namespace {
@@ -39,12 +40,100 @@ std::pair<std::vector<size_t>, int64_t> spaced(
   return {std::move(picked), bytes};
 }
 
+// The fewest steps to reverse a chain of equal steps (serve x_l, ..., x_1
+// from x_0, at most s tensors held, the one handed over included):
+//   T(l, s) = min(l + T(l-1, s), min_p p + T(l-p, s-1) + T(p-1, s))
+// and the p that attains it (0: keep nothing on the way). Filled once per
+// process up to the sizes asked for (kMaxOptimalSteps^2 * slots at most).
+class ReversalTable {
+ public:
+  // First checkpoint of the optimal reversal of (length, slots), or 0.
+  size_t first_checkpoint(size_t length, size_t slots) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    grow(length, slots);
+    return choice_[slots][length];
+  }
+
+ private:
+  void grow(size_t length, size_t slots) {
+    if (slots < cost_.size() && length < cost_[0].size()) {
+      return;
+    }
+    const size_t l_max = std::max(length + 1, cost_.empty() ? 0 : cost_[0].size());
+    const size_t s_max = std::max(slots + 1, cost_.size());
+    cost_.assign(s_max, std::vector<int64_t>(l_max, 0));
+    choice_.assign(s_max, std::vector<size_t>(l_max, 0));
+    for (size_t s = 1; s < s_max; ++s) {
+      for (size_t l = 1; l < l_max; ++l) {
+        int64_t best = static_cast<int64_t>(l) + cost_[s][l - 1];
+        size_t choice = 0;
+        for (size_t p = 1; s >= 2 && p < l; ++p) {
+          const int64_t c = static_cast<int64_t>(p) + cost_[s - 1][l - p] + cost_[s][p - 1];
+          if (c < best) {
+            best = c;
+            choice = p;
+          }
+        }
+        cost_[s][l] = best;
+        choice_[s][l] = choice;
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<std::vector<int64_t>> cost_;   // [slots][length]
+  std::vector<std::vector<size_t>> choice_;  // [slots][length]
+};
+
+// Chains longer than this (in cuts) use the spaced heuristic: the table is
+// quadratic in it.
+constexpr size_t kMaxOptimalSteps = 512;
+
+// Cuts of one size: the checkpoints the optimal reversal keeps on its first
+// sweep (each kept cut starts a sub-reversal with one slot fewer, whose own
+// first checkpoint is kept on the same sweep).
+std::vector<size_t> optimal_first_sweep(size_t cuts, size_t slots) {
+  static ReversalTable table;
+  std::vector<size_t> picked;
+  size_t base = 0;                // steps: cut k ends step k + 1; the target ends step cuts + 1
+  size_t length = cuts + 1;
+  while (slots >= 2 && length > 1) {
+    if (slots >= length) {
+      for (size_t step = base + 1; step < base + length; ++step) {
+        picked.push_back(step - 1);
+      }
+      break;
+    }
+    const size_t p = table.first_checkpoint(length, slots);
+    if (p == 0) {
+      break;
+    }
+    picked.push_back(base + p - 1);
+    base += p;
+    length -= p;
+    --slots;
+  }
+  return picked;
+}
+
 } // namespace
 
 std::vector<size_t> choose_checkpoints(
-    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes) {
+    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
+    int64_t tail_bytes) {
   if (cuts.empty() || total_cost <= 0 || free_bytes <= 0) {
     return {};
+  }
+  const auto [smallest, largest] = std::minmax_element(
+      cuts.begin(), cuts.end(), [](const ReplayCut& a, const ReplayCut& b) { return a.bytes < b.bytes; });
+  if (smallest->bytes > 0 && largest->bytes - smallest->bytes <= smallest->bytes / 8 &&
+      cuts.size() < kMaxOptimalSteps) {
+    // One size (a chain of equal steps, a transformer's residual stream):
+    // the optimal reversal, counting in steps between cuts, with what is
+    // free after the tail the next unpacks need.
+    const int64_t for_cuts = free_bytes - tail_bytes;
+    const size_t slots = for_cuts <= 0 ? 1 : 1 + static_cast<size_t>(for_cuts / largest->bytes);
+    return optimal_first_sweep(cuts.size(), slots);
   }
   // The most windows whose cuts fit in half of what is free (a binary
   // search: more windows pick more bytes, up to ties).

@@ -13,6 +13,8 @@
 //
 // The choice, with `free` bytes left under the budget:
 //  * everything fits: keep everything (no tensor is rebuilt twice);
+//  * cuts of one size: the checkpoints of the optimal reversal of a chain of
+//    equal steps (see choose_checkpoints), after reserving the tail;
 //  * otherwise, up to half of `free` goes to checkpoints: cuts of the replay
 //    (points where every rebuilt tensor that later ops read is a candidate,
 //    so keeping those few tensors lets a later replay start there: a
@@ -21,9 +23,10 @@
 //    if no checkpoint fits in half, one in the middle may use all of it;
 //  * the rest goes to the candidates nearest the returned tensor, which
 //    autograd unpacks next (backward runs in reverse), latest first.
-// Applied at every replay this is recursive bisection with a dense tail. The
-// measured gap to the optimal schedule is in docs/design.md ("Replay
-// budget"; bench/bench_recompute.py).
+// Applied at every rebuild, the optimal-reversal path is the optimal schedule
+// for a chain of equal steps (tests/python/test_replay_budget.py checks it
+// against an independent DP); the spaced path is recursive bisection with a
+// dense tail. docs/design.md, "Replay budget".
 
 #include <cstddef>
 #include <cstdint>
@@ -38,11 +41,17 @@ struct ReplayCut {
   int64_t bytes = 0;
 };
 
-// Cuts in replay order (non-decreasing cost), the replay's total cost and
-// the bytes free under the budget: the indices of the cuts to keep as
-// checkpoints, ascending, using at most half of free_bytes (all of it for a
-// single cut when none fits in half).
+// Cuts in replay order (non-decreasing cost), the replay's total cost, the
+// bytes free under the budget and the bytes of the tail after the last cut
+// (what the unpacks right after this one need): the indices of the cuts to
+// keep as checkpoints, ascending.
+//  * Cuts of one size (within 1/8): the checkpoints the optimal reversal of
+//    a chain of equal steps keeps on this sweep (the recursion of Revolve),
+//    with what is free after the tail.
+//  * Otherwise, spaced: at most half of free_bytes (all of it for a single
+//    cut when none fits in half).
 std::vector<std::size_t> choose_checkpoints(
-    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes);
+    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
+    int64_t tail_bytes = 0);
 
 } // namespace torch_sac::region
