@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -325,18 +327,33 @@ std::unordered_set<int32_t> Region::memos_scheduled(
       ", but backward unpacked ", describe_key(unpacked), " there. The schedule was made for "
       "another program, other inputs or another policy, or it keeps tensors a different "
       "schedule keeps: record it again (region.replay_schedule()) from a run of this one.");
+  // Candidates by (op index, call, output): a recorded schedule of a large
+  // model keeps thousands of tensors in one step.
+  auto packed = [](int32_t op_index, int64_t call_index, int32_t output) {
+    return std::make_tuple(op_index, call_index, output);
+  };
+  std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key;
+  for (int32_t s : candidates) {
+    const ExecutedKey k = executed_key_of(s);
+    by_key.emplace(packed(k.op_index, k.call_index, k.output), s);
+  }
+  std::unordered_map<std::string, int32_t> op_index_by_name;
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    op_index_by_name.emplace(ops_[i].name, static_cast<int32_t>(i));
+  }
   std::unordered_set<int32_t> allowed;
   for (const TensorKey& key : step.keep) {
-    const auto found = std::find_if(candidates.begin(), candidates.end(), [&](int32_t s) {
-      return key_of(s) == key;
-    });
+    const auto op = op_index_by_name.find(key.op);
+    const auto found = op == op_index_by_name.end()
+        ? by_key.end()
+        : by_key.find(packed(op->second, key.call_index, key.output));
     TORCH_CHECK_VALUE(
-        found != candidates.end(),
+        found != by_key.end(),
         "torch_sac: replay schedule rebuild #", rebuild, " (for ", describe_key(unpacked),
         ") keeps ", describe_key(key), ", which this rebuild does not make, or which "
         "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
         "on its way that backward still needs.");
-    allowed.insert(*found);
+    allowed.insert(found->second);
   }
   return allowed;
 }
