@@ -363,7 +363,7 @@ def test_dropout_masks_identical_under_multiple_recomputation(budget):
                 h = h * torch.bernoulli(torch.full_like(h, 0.8))
         return h
 
-    region = compare(fn, leaves, budget, sizes=[8 * 16 * 4])
+    region = compare(fn, leaves, budget)
     if budget == 0:
         # Some random op was replayed several times.
         details = {d["op"]: d for d in region.op_details()}
@@ -452,7 +452,7 @@ def test_in_place_ops_inside_region_valid(budget):
             h = y2 * h + h.sin()  # mul saves both
         return h
 
-    compare(fn, leaves, budget, sizes=[8 * 16 * 4])
+    compare(fn, leaves, budget)
 
 
 @pytest.mark.parametrize("budget", [0, 64, 700, None])
@@ -474,7 +474,7 @@ def test_multi_output_ops(budget):
         u = torch.unbind(torch.sigmoid(c), dim=0)
         return m.sum() + s.pow(2).sum() + v.sum() * mu.sum() + tk.sum() + sum(t.prod() for t in u)
 
-    compare(fn, leaves, budget, sizes=[8 * 24 * 4])
+    compare(fn, leaves, budget)
 
 
 @pytest.mark.parametrize("budget", [0, 1000, None])
@@ -522,7 +522,7 @@ def test_custom_function_saving_tensors(budget):
             h = SavesInputAndOutput.apply(torch.cos(h), w) + h
         return h
 
-    compare(fn, leaves, budget, sizes=[8 * 8 * 4])
+    compare(fn, leaves, budget)
 
 
 @pytest.mark.parametrize("budget", [0, 700, None])
@@ -584,6 +584,8 @@ def test_double_backward(budget):
     compare(fn, leaves, budget, backward=backward)
 
 
+@pytest.mark.skipif(os.environ.get("TORCH_SAC_ADAPTER", "key") != "python",
+                    reason="hangs with the key adapter: test_gradient_inside_open_region_does_not_hang")
 @pytest.mark.parametrize("budget", [0, 700, None])
 def test_double_backward_with_grad_computed_inside_region(budget):
     """Gradient penalty: torch.autograd.grad(create_graph=True) inside the
@@ -599,3 +601,778 @@ def test_double_backward_with_grad_computed_inside_region(budget):
         return y + g.pow(2).sum() * torch.sigmoid(g).sum()
 
     compare(fn, leaves, budget)
+
+
+# --------------------------------------------------------------------------
+# Bugs: gradient penalty computed inside the region (key adapter), and a
+# region's replays recorded into another open region (key adapter)
+# --------------------------------------------------------------------------
+
+_GRAD_INSIDE_REGION = r"""
+import torch, torch.nn as nn, torch_sac
+torch.manual_seed(0)
+lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 1)
+x = torch.randn(4, 8, requires_grad=True)
+with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+    y = lin2(torch.tanh(lin1(x))).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+print("ok")
+"""
+
+
+def _run_script(code, timeout=8):
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return proc.stdout.strip() if proc.returncode == 0 else "error: " + proc.stderr[-2000:]
+
+
+_KEY = os.environ.get("TORCH_SAC_ADAPTER", "key") != "python"
+
+
+@pytest.mark.xfail(_KEY, strict=True, reason=(
+    "key adapter: torch.autograd.grad inside an open sac_context that unpacks a dropped "
+    "activation deadlocks: Region::rebuild holds Region::mutex_, replay_entry's "
+    "entry.op.callBoxed is dispatched to key_fallback -> Region::handle of the same open "
+    "region, which locks mutex_ again (std::mutex, same thread). Hangs forever, with or "
+    "without replay_budget; the python adapter is fine"))
+def test_gradient_inside_open_region_does_not_hang():
+    assert _run_script(_GRAD_INSIDE_REGION) == "ok"
+
+
+@pytest.mark.xfail(_KEY, strict=True, reason=(
+    "key adapter: a closed region A's replays, run by a backward called inside another "
+    "open region B (gradient penalty), go through B's handler: B's policy is asked about "
+    "A's replayed addmm/tanh (ctx.is_recompute False) and B records them in its tape, "
+    "shifting B's call indices (every_nth, budget plans, schedule keys) compared with the "
+    "python adapter. Gradients stay exact"))
+def test_replays_of_another_region_are_not_recorded():
+    from torch.utils.checkpoint import CheckpointPolicy as CP
+    seen = []
+
+    def policy(ctx, op, *args, **kwargs):
+        seen.append(str(op))
+        return CP.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch_sac.sac_context(RECOMPUTE_ALL()):
+        y = lin2(torch.tanh(lin1(x))).sum()
+    with torch_sac.sac_context(policy):
+        torch.autograd.grad(y, x, create_graph=True)
+    assert "aten.tanh.default" not in seen and "aten.addmm.default" not in seen, seen
+    assert_clean()
+
+
+# --------------------------------------------------------------------------
+# The replay budget's memory bound
+# --------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "replay_budget=0 holds two rebuilt tensors: the target of a rebuild is always memoised "
+    "strongly (materialize: memoise(storage, result, state)) until its last pending unpack, "
+    "even when that exceeds the budget; a later rebuild of another tensor while it is still "
+    "pending adds its bytes (free_bytes goes negative, but the new target is memoised "
+    "anyway). Here exp(c) (1 KiB, unpacked by MulBackward then ExpBackward) is held while "
+    "a=tanh(x@w) (1 KiB) is rebuilt: peak_memo_bytes 2048 > max(budget 0, 1024). "
+    "docs/design.md promises at most b bytes, the tensor being handed over included"))
+@pytest.mark.parametrize("budget", [0, 1024])
+def test_peak_memo_bytes_within_budget_two_pending_targets(budget):
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def fn():
+        a = torch.tanh(x @ w)
+        c = a * torch.sin(a)
+        return torch.exp(c) * a
+
+    region = compare(fn, [x, w], budget)
+    check_peak(region, budget, [16 * 16 * 4])
+
+
+@pytest.mark.parametrize("n,slots", [(6, 1), (9, 2), (12, 3)])
+def test_peak_memo_bytes_within_budget_on_chains(n, slots):
+    fn, leaves, size = tanh_chain(n)
+    region = compare(fn, leaves, slots * size)
+    check_peak(region, slots * size, [size])
+    assert region.stats()["memo_bytes"] == 0
+
+
+# --------------------------------------------------------------------------
+# Errors leave nothing installed
+# --------------------------------------------------------------------------
+
+def _fresh_run_works():
+    fn, leaves, size = tanh_chain(4, seed=5)
+    compare(fn, leaves, 0)
+    compare(fn, leaves, None)
+
+
+def test_error_in_forward_of_a_budgeted_region_leaves_nothing():
+    fn, leaves, size = tanh_chain(3)
+    with pytest.raises(ZeroDivisionError):
+        with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=0):
+            fn()
+            1 / 0
+    assert_clean()
+    _fresh_run_works()
+
+
+def test_policy_error_in_budgeted_region_leaves_nothing():
+    def bad(ctx, op, *args, **kwargs):
+        if op is aten.tanh.default:
+            raise KeyError("policy boom")
+        return False
+
+    fn, leaves, size = tanh_chain(3)
+    with pytest.raises(KeyError, match="policy boom"):
+        with torch_sac.sac_context(bad, replay_budget=0):
+            fn()
+    assert_clean()
+    _fresh_run_works()
+
+
+def test_schedule_error_in_backward_leaves_nothing_and_graph_can_be_freed():
+    fn, leaves, size = tanh_chain(6)
+    bad = torch_sac.ReplaySchedule([(("aten::tanh.default", 0, 0), [])])
+    with torch_sac.sac_context(RECOMPUTE_ALL(), replay_schedule=bad):
+        out = fn()
+    with pytest.raises(ValueError, match="replay schedule rebuild #0"):
+        weighted_loss(out).backward()
+    del out
+    _leaves_grads(leaves)
+    assert_clean()
+    _fresh_run_works()
+
+
+def test_bad_budget_on_apply_sac_leaves_model_unchanged():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for bad, err in [(-5, ValueError), (2.0, TypeError), (True, TypeError)]:
+        with pytest.raises(err, match="replay_budget"):
+            torch_sac.apply_sac(model, RECOMPUTE_ALL(), modules=nn.Linear, replay_budget=bad)
+        assert all("forward" not in m.__dict__ for m in model)
+    assert_clean()
+
+
+# --------------------------------------------------------------------------
+# Replay schedules
+# --------------------------------------------------------------------------
+
+def _record(fn, leaves, policy=None, budget=None, backward=None):
+    _, region, _ = run(fn, leaves, budget=budget, policy=policy, backward=backward)
+    _leaves_grads(leaves)
+    return region.replay_schedule()
+
+
+def _schedule_exact_or_clear_error(fn, leaves, schedule, policy=None, backward=None):
+    """Running ``schedule`` must give plain autograd's gradients or raise a
+    ValueError naming the rebuild, leaving nothing installed."""
+    want, _, _ = run(fn, leaves, region=False, backward=backward)
+    try:
+        got, region, _ = run(fn, leaves, schedule=schedule, backward=backward,
+                             policy=policy if policy is not None else schedule.policy())
+    except ValueError as e:
+        _leaves_grads(leaves)
+        assert "replay schedule" in str(e), str(e)
+        assert_clean()
+        _fresh_run_works()
+        return None
+    assert_same(got, want)
+    assert_clean()
+    return region
+
+
+@pytest.mark.parametrize("budget", [0, 700, 2000, None])
+def test_recorded_schedule_replays_exactly(budget):
+    fn, leaves, size = tanh_chain(8)
+    schedule = _record(fn, leaves, budget=budget)
+    region = _schedule_exact_or_clear_error(fn, leaves, schedule)
+    assert region is not None, "a schedule recorded from this very program was refused"
+    assert region.replay_schedule() == schedule
+
+
+@pytest.mark.parametrize("record_policy,run_policy", [
+    ("recompute_all", "save_matmuls"), ("save_matmuls", "recompute_all"),
+    ("every3", "recompute_all"), ("recompute_all", "every3"),
+])
+def test_schedule_recorded_with_one_policy_run_with_another(record_policy, run_policy):
+    policies = {
+        "recompute_all": RECOMPUTE_ALL,
+        "save_matmuls": SAVE_MATMULS,
+        "every3": lambda: torch_sac.policies.every_nth([aten.tanh.default], 3),
+    }
+    fn, leaves, size = tanh_chain(8)
+    schedule = _record(fn, leaves, policy=policies[record_policy](), budget=size)
+    _schedule_exact_or_clear_error(fn, leaves, schedule, policy=policies[run_policy]())
+
+
+def _edits(schedule):
+    """Schedules derived from ``schedule``: each rebuild keeping one fewer,
+    one more (another rebuild's target) or a reordered set."""
+    steps = schedule.rebuilds
+    targets = [u for u, _ in steps]
+    for i, (u, keep) in enumerate(steps):
+        if keep:
+            fewer = [s if j != i else (u, keep[:-1]) for j, s in enumerate(steps)]
+            yield f"fewer@{i}", torch_sac.ReplaySchedule(fewer, schedule.saved)
+            reordered = [s if j != i else (u, list(reversed(keep))) for j, s in enumerate(steps)]
+            yield f"reversed@{i}", torch_sac.ReplaySchedule(reordered, schedule.saved)
+        extra = [t for t in targets[i + 1:] if t not in keep]
+        if extra:
+            more = [s if j != i else (u, keep + extra[:1]) for j, s in enumerate(steps)]
+            yield f"more@{i}", torch_sac.ReplaySchedule(more, schedule.saved)
+    yield "dropped-last", torch_sac.ReplaySchedule(steps[:-1], schedule.saved)
+    yield "duplicated-keep", torch_sac.ReplaySchedule(
+        [(u, keep + keep) for u, keep in steps], schedule.saved)
+
+
+def test_edited_schedules_are_exact_or_raise():
+    fn, leaves, size = tanh_chain(7)
+    schedule = _record(fn, leaves, budget=2 * size)
+    outcomes = {}
+    for name, edited in _edits(schedule):
+        region = _schedule_exact_or_clear_error(fn, leaves, edited)
+        outcomes[name] = "ran" if region is not None else "raised"
+        if region is not None:
+            # What ran is what was asked, up to order within a step.
+            ran = region.replay_schedule()
+            assert [(u, sorted(k)) for u, k in ran.rebuilds] == \
+                [(u, sorted(set(k))) for u, k in edited.rebuilds], name
+    assert "raised" in outcomes.values()
+
+
+def test_schedule_too_long_is_not_silently_accepted():
+    """A schedule with a rebuild backward never asks for."""
+    fn, leaves, size = tanh_chain(6)
+    schedule = _record(fn, leaves, budget=size)
+    longer = torch_sac.ReplaySchedule(
+        schedule.rebuilds + [(("aten::tanh.default", 0, 0), [])], schedule.saved)
+    want, _, _ = run(fn, leaves, region=False)
+    try:
+        got, region, _ = run(fn, leaves, schedule=longer, policy=longer.policy())
+    except ValueError:
+        _leaves_grads(leaves)
+        assert_clean()
+        return
+    assert_same(got, want)
+    # Ran fewer rebuilds than scheduled: at least the recorded schedule shows it.
+    assert region.replay_schedule() != longer
+
+
+@pytest.mark.parametrize("budget", [0, None])
+@pytest.mark.parametrize("passes", [2, 3])
+def test_schedule_under_retain_graph(budget, passes):
+    fn, leaves, size = tanh_chain(6)
+
+    def backward(out):
+        loss = weighted_loss(out)
+        for i in range(passes):
+            loss.backward(retain_graph=i < passes - 1)
+
+    schedule = _record(fn, leaves, budget=budget, backward=backward)
+    region = _schedule_exact_or_clear_error(fn, leaves, schedule, backward=backward)
+    assert region is not None
+    assert region.replay_schedule() == schedule
+
+
+def test_schedule_json_round_trip_with_odd_names(tmp_path):
+    odd = torch_sac.ReplaySchedule(
+        [(("my.ns::op_with.dots", 3, 2), [("aten::_foo_bar.out", 0, 1), ("x::y.z", 7)]),
+         (("aten::add.Tensor", 0), [])],
+        saved=[("aten::mm", 1), ("odd_ns::weird_op.overload_2", 4)])
+    path = tmp_path / "s.json"
+    odd.save(path)
+    loaded = torch_sac.ReplaySchedule.load(path)
+    assert loaded == odd
+    assert loaded.rebuilds[1][0] == ("aten::add.Tensor", 0, 0)
+    assert loaded.saved == [("aten::mm.default", 1), ("odd_ns::weird_op.overload_2", 4)]
+    json.loads(path.read_text())
+    loaded.policy()  # builds
+    for bad in ({"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", -1], "keep": []}]},
+                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", 1.5], "keep": []}]},
+                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", True], "keep": []}]},
+                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": [3, 1], "keep": []}]},
+                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", 1], "keep": [5]}]},
+                {"format": "torch_sac.replay_schedule/1", "rebuilds": [], "saved": [["aten::mm"]]}):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            torch_sac.ReplaySchedule.from_dict(bad)
+
+
+def test_schedule_with_custom_op_round_trips_and_runs(tmp_path):
+    lib = "adv_replay_lib"
+    name = f"{lib}::scaled_tanh"
+    if not hasattr(torch.ops, lib) or not hasattr(getattr(torch.ops, lib), "scaled_tanh"):
+        @torch.library.custom_op(name, mutates_args=())
+        def scaled_tanh(x: torch.Tensor, s: float) -> torch.Tensor:
+            return torch.tanh(x) * s
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(output)
+            ctx.s = inputs[1]
+
+        def bwd(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * (ctx.s - y * y / ctx.s), None
+
+        torch.library.register_autograd(name, bwd, setup_context=setup)
+    op = getattr(torch.ops, lib).scaled_tanh
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(6)]
+    x = torch.randn(8, 16, requires_grad=True)
+    leaves = [x] + [p for layer in layers for p in layer.parameters()]
+
+    def fn():
+        h = x
+        for layer in layers:
+            h = op(layer(h), 1.5)
+        return h
+
+    schedule = _record(fn, leaves, budget=2 * 8 * 16 * 4)
+    path = tmp_path / "custom.json"
+    schedule.save(path)
+    loaded = torch_sac.ReplaySchedule.load(path)
+    assert loaded == schedule
+    region = _schedule_exact_or_clear_error(fn, leaves, loaded)
+    assert region is not None
+
+
+# --------------------------------------------------------------------------
+# Hugging Face models (tiny configs, random weights, nothing downloaded)
+# --------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _hf_step(name, how=None, budget=None, schedule=None):
+    hf = pytest.importorskip("test_hf_models")
+    torch.manual_seed(hf.MODEL_SEED)
+    model, batch, layers = hf.MODELS[name]()
+    model.train()
+    handle = region = None
+    if how == "apply":
+        handle = torch_sac.apply_sac(model, RECOMPUTE_ALL(), modules=lambda m: any(m is l for l in layers),
+                                     replay_budget=budget)
+    torch.manual_seed(hf.RUN_SEED)
+    if how == "whole":
+        kwargs = {"replay_budget": budget} if schedule is None else {"replay_schedule": schedule}
+        policy = RECOMPUTE_ALL() if schedule is None else schedule.policy()
+        with torch_sac.sac_context(policy, **kwargs) as region:
+            loss = model(**batch).loss
+    else:
+        loss = model(**batch).loss
+    loss.backward()
+    grads = [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
+    stats = handle.stats()["total"] if handle is not None else (region.stats() if region else None)
+    if handle is not None:
+        handle.remove()
+    return loss.detach(), grads, torch.get_rng_state(), stats, region
+
+
+def _assert_hf_equal(got, want):
+    assert torch.equal(got[0], want[0]), "loss differs"
+    assert [n for n, _ in got[1]] == [n for n, _ in want[1]]
+    assert_same([g for _, g in got[1]], [g for _, g in want[1]])
+    assert torch.equal(got[2], want[2]), "RNG state differs"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_whole_model_one_region_budget_zero_and_schedule(name):
+    want = _hf_step(name)
+    got = _hf_step(name, "whole", budget=0)
+    _assert_hf_equal(got, want)
+    assert got[3]["memos_skipped"] > 0
+    schedule = got[4].replay_schedule()
+    again = _hf_step(name, "whole", schedule=torch_sac.ReplaySchedule.from_dict(
+        json.loads(json.dumps(schedule.to_dict()))))
+    _assert_hf_equal(again, want)
+    assert again[4].replay_schedule() == schedule
+    assert_clean()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("budget", [0, 4096])
+def test_hf_apply_sac_with_budget(name, budget):
+    want = _hf_step(name)
+    got = _hf_step(name, "apply", budget=budget)
+    _assert_hf_equal(got, want)
+    assert got[3]["replayed_ops"] > 0
+    assert_clean()
+
+
+# --------------------------------------------------------------------------
+# Random programs (hypothesis, derandomized)
+# --------------------------------------------------------------------------
+
+_UNARY = ["tanh", "sin", "sigmoid", "relu_", "dropout", "exp_small", "ln", "maxidx", "tanh_"]
+_BINARY = ["mul", "add", "matmul", "addcmul"]
+
+
+def _program(ops, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(4, 8, requires_grad=True)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    leaves = [x, *ws]
+
+    def fn():
+        pool = [x * 1.0]
+        for kind, i, j in ops:
+            a = pool[i % len(pool)]
+            b = pool[j % len(pool)]
+            if kind == "tanh":
+                y = torch.tanh(a)
+            elif kind == "sin":
+                y = torch.sin(a)
+            elif kind == "sigmoid":
+                y = torch.sigmoid(a)
+            elif kind == "relu_":
+                y = (a * 1.5).relu_()
+            elif kind == "tanh_":
+                y = (a + 0.5).tanh_()
+            elif kind == "dropout":
+                y = F.dropout(a, 0.25, training=True)
+            elif kind == "exp_small":
+                y = torch.exp(torch.tanh(a))
+            elif kind == "ln":
+                y = F.layer_norm(a, (8,))
+            elif kind == "maxidx":
+                m, idx = a.max(dim=1, keepdim=True)
+                y = a * m + torch.gather(a, 1, idx)
+            elif kind == "mul":
+                y = a * b
+            elif kind == "add":
+                y = a + b
+            elif kind == "matmul":
+                y = a @ ws[j % 3]
+            else:  # addcmul
+                y = torch.addcmul(a, b, torch.tanh(b), value=0.5)
+            pool.append(y)
+        return pool[-1] + 0.1 * sum(pool[-3:])
+
+    return fn, leaves
+
+
+if HAVE_HYPOTHESIS:
+    _step = st.tuples(st.sampled_from(_UNARY + _BINARY), st.integers(0, 30), st.integers(0, 30))
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(ops=st.lists(_step, min_size=1, max_size=24),
+           budget=st.sampled_from([0, 1, 128, 400, 1500, None]),
+           policy=st.sampled_from(["recompute_all", "save_matmuls", "every2"]),
+           mode=st.sampled_from(["plain", "retain2", "grad_subset"]))
+    def test_random_programs_are_exact(ops, budget, policy, mode):
+        fn, leaves = _program(ops, seed=len(ops))
+        pol = {"recompute_all": RECOMPUTE_ALL, "save_matmuls": SAVE_MATMULS,
+               "every2": lambda: torch_sac.policies.every_nth([aten.tanh.default, aten.sin.default], 2)}[policy]()
+        if mode == "plain":
+            backward = None
+        elif mode == "retain2":
+            def backward(out):
+                loss = weighted_loss(out)
+                loss.backward(retain_graph=True)
+                loss.backward()
+        else:
+            def backward(out):
+                loss = weighted_loss(out)
+                gs = torch.autograd.grad(loss, leaves[1:], retain_graph=True, allow_unused=True)
+                gs = [g if g is not None else torch.zeros_like(l) for g, l in zip(gs, leaves[1:])]
+                (loss * 2).backward(inputs=leaves[:1])
+                for leaf, g in zip(leaves[1:], gs):
+                    leaf.grad = g
+        region = compare(fn, leaves, budget, policy=pol, backward=backward)
+        # The schedule it ran runs again exactly (same policy).
+        schedule = region.replay_schedule()
+        want, _, _ = run(fn, leaves, region=False, backward=backward)
+        try:
+            got, again, _ = run(fn, leaves, policy=pol if not schedule.saved else schedule.policy(),
+                                schedule=schedule, backward=backward)
+        except ValueError as e:
+            # A schedule is the last backward pass's rebuilds; two backward
+            # calls that rebuild different tensors (grad w.r.t. a subset,
+            # then the rest) cannot both follow it: a clear error is fine.
+            assert mode == "grad_subset" and "replay schedule" in str(e), str(e)
+            _leaves_grads(leaves)
+            assert_clean()
+            return
+        assert_same(got, want)
+        assert_clean()
+
+
+# --------------------------------------------------------------------------
+# The profiler: drop-in recompute FLOPs, most replays per call, the budget
+# --------------------------------------------------------------------------
+
+def _profiled(kind, layers, x, body, budget=0):
+    import functools
+    with torch_sac.profile() as prof:
+        if kind == "plain":
+            out = body(x)
+        elif kind == "dropin":
+            out = tc.checkpoint(body, x, use_reentrant=False, context_fn=functools.partial(
+                torch_sac.create_selective_checkpoint_contexts, RECOMPUTE_ALL()))
+        else:
+            with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=budget) as region:
+                out = body(x)
+        out.sum().backward()
+        del out
+    return prof, (region if kind == "budget" else None)
+
+
+def test_profile_counts_dropin_recompute_and_budget_replays_as_replay_flops():
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def body(h):
+        for layer in layers:
+            h = torch.tanh(layer(h))
+        return h
+
+    plain, _ = _profiled("plain", layers, x, body)
+    dropin, _ = _profiled("dropin", layers, x, body)
+    budget, region = _profiled("budget", layers, x, body)
+    one = 2 * 8 * 16 * 16
+    assert plain.totals["forward_flops"] == 4 * one
+    for prof in (dropin, budget):
+        assert prof.totals["forward_flops"] == plain.totals["forward_flops"]
+        assert prof.totals["backward_flops"] == plain.totals["backward_flops"]
+        assert prof.totals["replay_flops_exact"]
+    assert dropin.totals["replay_flops"] == 4 * one
+    # budget 0, output alive: x3 from the input (3 layers), x2 (2), x1 (1).
+    assert budget.totals["replay_flops"] == 6 * one
+    (row,) = [r for r in budget.ops if r["op"] == "aten::addmm.default"]
+    assert row["most_replays"] == 3 and row["replayed"] == 6
+    assert budget.to_dict()["regions"][0]["replay_budget"] == 0
+    assert "most" in budget.table().splitlines()[1]
+    assert "most" not in dropin.table().splitlines()[1]
+    details = {d["op"]: d for d in region.op_details()}
+    assert details["aten::addmm.default"]["replays_by_call"] == [3, 2, 1, 0]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "profile: a region keys ops run under torch.no_grad inside it as calls (call indices, "
+    "replays_by_call, 'dropped'), but Profile._op_done attributes an op to the open region "
+    "only when torch.is_grad_enabled(); the profile's and the region's call lists then "
+    "differ, so replay_flops falls back to the mean estimate (27648 vs the true 26624 "
+    "here, replay_flops_exact False) and forward_calls is 4 where the region has 5. "
+    "Python fix: in torch_sac/profiler.py _op_done, recorded = not "
+    "torch.is_inference_mode_enabled() (the region skips inference-mode ops only)"))
+def test_profile_replay_flops_exact_with_a_no_grad_op_in_the_region():
+    torch.manual_seed(0)
+    sizes = [8, 32, 16, 64, 8]
+    layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]
+    x = torch.randn(4, 8, requires_grad=True)
+    w, b, side = torch.randn(64, 64), torch.randn(64), torch.randn(2, 64)
+
+    def body(h):
+        for i, layer in enumerate(layers):
+            if i == 1:
+                with torch.no_grad():
+                    F.linear(side, w, b)
+            h = torch.tanh(layer(h))
+        return h
+
+    prof, region = _profiled("budget", layers, x, body)
+    details = {d["op"]: d for d in region.op_details()}
+    calls = [(8, 32), (64, 64), (32, 16), (16, 64), (64, 8)]  # (in, out); the no_grad one second
+    rows = [4, 2, 4, 4, 4]
+    true = sum(n * 2 * m * a * b for n, m, (a, b) in
+               zip(details["aten::addmm.default"]["replays_by_call"], rows, calls))
+    (row,) = [r for r in prof.ops if r["op"] == "aten::addmm.default"]
+    assert row["forward_calls"] == details["aten::addmm.default"]["dropped"]
+    assert row["replay_flops_exact"] and row["replay_flops"] == true
+
+
+# --------------------------------------------------------------------------
+# More shapes of programs
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0, 256, None])
+def test_in_place_on_views_of_dropped_tensors(budget):
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+    leaves = [x] + [p for layer in layers for p in layer.parameters()]
+
+    def fn():
+        h = x * 1.0
+        for i, layer in enumerate(layers):
+            y = layer(h)
+            y[:, :4].mul_(2.0)            # in place on a view
+            y.t()[3:7].add_(1.0)          # on a transposed view
+            y.diagonal().sub_(0.5)
+            z = torch.sigmoid(y)          # saves its result
+            z2 = z.view(4, 32)            # a view of a dropped tensor, saved by exp
+            h = torch.exp(z2).view(8, 16) * z + h.transpose(0, 1).contiguous().t()
+        return h
+
+    compare(fn, leaves, budget)
+
+
+@pytest.mark.parametrize("budget", [0, 500, None])
+def test_region_output_not_kept_alive(budget):
+    """The region's output dies before backward (only the loss is kept):
+    it is rebuilt too."""
+    fn, leaves, size = tanh_chain(5)
+
+    def fn2():
+        return weighted_loss(torch.sin(fn()))
+
+    want, _, _ = run(fn2, leaves, region=False, backward=lambda l: l.backward())
+    got, region, _ = run(fn2, leaves, budget=budget, backward=lambda l: l.backward())
+    assert_same(got, want)
+    assert_clean()
+
+
+@pytest.mark.parametrize("budget", [0, 700, None])
+def test_autocast_bf16_inside_budgeted_region(budget):
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+    leaves = [x] + [p for layer in layers for p in layer.parameters()]
+
+    def fn():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for layer in layers:
+                h = torch.tanh(layer(h)) * h.float().sigmoid()
+            return h.float()
+
+    compare(fn, leaves, budget)
+
+
+@pytest.mark.parametrize("budget", [0, 700])
+def test_dropin_contexts_inside_a_budgeted_region(budget):
+    import functools
+    fn0, leaves, size = tanh_chain(5)
+    x = leaves[-1]
+
+    def inner(t):
+        return torch.sin(t) * torch.tanh(t * 2)
+
+    def fn():
+        h = fn0()
+        h = tc.checkpoint(inner, h, use_reentrant=False, context_fn=functools.partial(
+            torch_sac.create_selective_checkpoint_contexts, SAVE_MATMULS()))
+        return h * x.sum()
+
+    compare(fn, leaves, budget)
+
+
+@pytest.mark.parametrize("budget", [0, 700, None])
+def test_nested_region_with_must_save_under_budget(budget):
+    from torch.utils.checkpoint import CheckpointPolicy as CP
+    fn0, leaves, size = tanh_chain(6)
+
+    def must_tanh(ctx, op, *args, **kwargs):
+        return CP.MUST_SAVE if op is aten.tanh.default else CP.PREFER_RECOMPUTE
+
+    layers_x = leaves[-1]
+
+    def fn():
+        h = fn0()
+        with torch_sac.sac_context(must_tanh):
+            h = torch.tanh(h * 3) * h
+        return torch.sin(h) + layers_x.sum()
+
+    compare(fn, leaves, budget)
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_allow_cache_entry_mutation_same_with_and_without_budget(budget):
+    """A saved output modified in place after use, with
+    allow_cache_entry_mutation: every replay (several under a budget) must
+    read the same value; the budgeted and unbudgeted regions must agree."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16) for _ in range(4)]
+    x = torch.randn(8, 16, requires_grad=True)
+    leaves = [x] + [p for layer in layers for p in layer.parameters()]
+
+    def fn():
+        h = x
+        for layer in layers:
+            y = layer(h)                  # addmm: saved
+            h = torch.tanh(y) * torch.sin(y)
+            y.mul_(0.0)                   # modified after use (not saved by autograd)... 
+        return h
+
+    def region_grads(b):
+        torch.manual_seed(0)
+        kw = {} if b is None else {"replay_budget": b}
+        try:
+            with torch_sac.sac_context(SAVE_MATMULS(), allow_cache_entry_mutation=True, **kw):
+                out = fn()
+            weighted_loss(out).backward()
+        except RuntimeError as e:
+            _leaves_grads(leaves)
+            return str(e)
+        return _leaves_grads(leaves)
+
+    plain = None
+    try:
+        plain, _, _ = run(fn, leaves, region=False)
+    except RuntimeError:
+        _leaves_grads(leaves)
+    got = region_grads(budget)
+    ref = region_grads(None)
+    if isinstance(got, str) or isinstance(ref, str):
+        assert isinstance(got, str) and isinstance(ref, str), (got, ref)
+    else:
+        assert_same(got, ref)
+    assert_clean()
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_outside_tensor_modified_during_backward_raises_or_is_exact(budget):
+    """A gradient hook bumps (in place, under no_grad) a tensor the region
+    reads but autograd did not save. Plain autograd is unaffected. The
+    region must be exact, or raise (a later replay would read the new
+    value), never silently differ."""
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 16) for _ in range(5)]
+    x = torch.randn(8, 16, requires_grad=True)
+    leaves = [x]
+    state = {}
+
+    def fn():
+        h = x
+        for i, w in enumerate(ws):
+            h = torch.tanh(h + w)          # add saves nothing; w is read by the replay
+            if i == 2:
+                h.register_hook(bump)
+        return h
+
+    def bump(grad):
+        with torch.no_grad():
+            ws[0].add_(1.0)
+        state["bumped"] = state.get("bumped", 0) + 1
+
+    w0 = ws[0].clone()
+    want, _, _ = run(fn, leaves, region=False)
+    ws[0].copy_(w0)
+    try:
+        got, region, _ = run(fn, leaves, budget=budget)
+    except RuntimeError as e:
+        assert "inplace" in str(e) and budget is not None, str(e)
+        state["raised"] = True
+        _leaves_grads(leaves)
+    else:
+        assert_same(got, want)
+    finally:
+        ws[0].copy_(w0)
+    assert state["bumped"] == 2
+    if budget == 0:
+        assert state.get("raised"), "the budgeted replay read the bumped tensor without raising"
+    assert_clean()
