@@ -14,13 +14,14 @@ from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .profiler import profile
 from .region import checkpoint, sac_context
-from .schedule import ReplaySchedule, TensorKey
+from .schedule import RebuildStep, ReplaySchedule, TensorKey
 from .scopes import name
 from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
 
 __all__ = [
     "IGNORED_OPS",
     "Policy",
+    "RebuildStep",
     "ReplaySchedule",
     "TensorKey",
     "adapter",

@@ -440,7 +440,10 @@ class profile:
                 self._bwd_flops += flops
             return
         self._fwd_flops += flops
-        recorded = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        # Regions and the drop-in record ops under no_grad inside them too
+        # (and number their calls): so does the profile, or its call lists
+        # and the regions' would differ.
+        recorded = not torch.is_inference_mode_enabled()
         if self._open and recorded:
             ops = self._regions[self._open[-1]]["ops"]
             ops.setdefault(_op_name(func), []).append(flops)

@@ -8,12 +8,13 @@ and backward raises if it does not match. The format is described in
 ``docs/design.md`` ("Replay schedules").
 """
 
+import collections
 import json
 import numbers
 
 from . import _C
 
-__all__ = ["ReplaySchedule", "TensorKey"]
+__all__ = ["RebuildStep", "ReplaySchedule", "TensorKey"]
 
 FORMAT = "torch_sac.replay_schedule/1"
 
@@ -45,16 +46,24 @@ class TensorKey(tuple):
         return f"TensorKey({self.op!r}, {self.call_index}, {self.output})"
 
 
+#: One rebuild of a schedule: the :class:`TensorKey` it is for, the keys of
+#: the tensors it rebuilds on the way and keeps for later unpacks, and the
+#: keys of tensors kept earlier that it lets go of once done (a replay budget
+#: does, to stay within its bytes; a later unpack rebuilds them again).
+RebuildStep = collections.namedtuple("RebuildStep", ["unpacked", "keep", "release"])
+
+
 class ReplaySchedule:
     """A region's schedule.
 
     Attributes:
         saved: the op calls whose outputs forward keeps, ``[(op, call_index)]``.
-        rebuilds: one entry per rebuild in backward, in order:
-            ``(unpacked, keep)``, the :class:`TensorKey` that rebuild is for
-            and the keys of the tensors it rebuilds on the way that are kept
-            for later unpacks (held until their last unpack); everything else
-            it rebuilds is freed and rebuilt again when unpacked.
+        rebuilds: one :class:`RebuildStep` ``(unpacked, keep, release)`` per
+            rebuild in backward, in order: the :class:`TensorKey` it is for,
+            the keys of the tensors it rebuilds on the way that are kept for
+            later unpacks (held until their last unpack or a release), and
+            the keys it releases once done. Everything else it rebuilds is
+            freed and rebuilt again when unpacked.
 
     Example:
         >>> with torch_sac.sac_context(policy, replay_budget=budget) as region:
@@ -71,13 +80,14 @@ class ReplaySchedule:
         self.saved = [(op, int(call)) for op, call in (_call(c) for c in saved)]
         self.rebuilds = []
         for step in rebuilds:
-            try:
-                unpacked, keep = step
-            except (TypeError, ValueError):
+            if not isinstance(step, (tuple, list)) or len(step) not in (2, 3):
                 raise ValueError(
-                    "torch_sac.ReplaySchedule: each rebuild is (unpacked key, [kept keys]), "
-                    f"got {step!r}") from None
-            self.rebuilds.append((TensorKey(*unpacked), [TensorKey(*k) for k in keep]))
+                    "torch_sac.ReplaySchedule: each rebuild is (unpacked key, [kept keys]) or "
+                    f"(unpacked key, [kept keys], [released keys]), got {step!r}")
+            unpacked, keep, release = (*step, ()) if len(step) == 2 else step
+            self.rebuilds.append(RebuildStep(
+                TensorKey(*unpacked), [TensorKey(*k) for k in keep],
+                [TensorKey(*k) for k in release]))
 
     def policy(self):
         """A policy saving exactly :attr:`saved` (decided in C++)."""
@@ -92,8 +102,8 @@ class ReplaySchedule:
         """How many rebuilds each tensor key was rebuilt in: ``{key: count}``
         (a tensor rebuilt on the way of several rebuilds counts in each)."""
         counts = {}
-        for unpacked, _ in self.rebuilds:
-            counts[unpacked] = counts.get(unpacked, 0) + 1
+        for step in self.rebuilds:
+            counts[step.unpacked] = counts.get(step.unpacked, 0) + 1
         return counts
 
     def to_dict(self):
@@ -101,8 +111,9 @@ class ReplaySchedule:
             "format": FORMAT,
             "saved": [list(c) for c in self.saved],
             "rebuilds": [
-                {"unpacked": list(unpacked), "keep": [list(k) for k in keep]}
-                for unpacked, keep in self.rebuilds
+                {"unpacked": list(step.unpacked), "keep": [list(k) for k in step.keep],
+                 "release": [list(k) for k in step.release]}
+                for step in self.rebuilds
             ],
         }
 
@@ -111,7 +122,8 @@ class ReplaySchedule:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"torch_sac.ReplaySchedule.from_dict: not a {FORMAT} dict (format {found!r})")
-        return cls([(r["unpacked"], r["keep"]) for r in data["rebuilds"]], data.get("saved", ()))
+        return cls([(r["unpacked"], r["keep"], r.get("release", ())) for r in data["rebuilds"]],
+                   data.get("saved", ()))
 
     def save(self, path):
         with open(path, "w") as f:
@@ -125,15 +137,18 @@ class ReplaySchedule:
 
     def _steps(self):
         """The rebuilds as the C++ region takes them."""
-        return [(tuple(u), [tuple(k) for k in keep]) for u, keep in self.rebuilds]
+        return [(tuple(step.unpacked), [tuple(k) for k in step.keep],
+                 [tuple(k) for k in step.release]) for step in self.rebuilds]
 
     def __eq__(self, other):
         return isinstance(other, ReplaySchedule) and self.to_dict() == other.to_dict()
 
     def __repr__(self):
-        kept = sum(len(k) for _, k in self.rebuilds)
+        kept = sum(len(step.keep) for step in self.rebuilds)
+        released = sum(len(step.release) for step in self.rebuilds)
         return (f"<torch_sac.ReplaySchedule: {len(self.saved)} saved calls, "
-                f"{len(self.rebuilds)} rebuilds keeping {kept} tensors>")
+                f"{len(self.rebuilds)} rebuilds keeping {kept} tensors"
+                + (f", releasing {released}" if released else "") + ">")
 
 
 def _call(c):

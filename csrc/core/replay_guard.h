@@ -8,14 +8,21 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "interceptor.h"
+
 namespace torch_sac {
 
 class ReplayGuard {
  public:
   ReplayGuard()
       : below_python_(
-            c10::DispatchKeySet(c10::DispatchKeySet::FULL) -
-            c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python)),
+            (c10::DispatchKeySet(c10::DispatchKeySet::FULL) -
+             c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Python)) |
+            // The key adapter's key sits below Python: without it here, a
+            // replay run while a region is open on this thread (backward
+            // inside the `with` block) would be recorded by that region, or
+            // deadlock on the mutex of the region replaying.
+            c10::DispatchKeySet(kInterceptKey)),
         no_grad_(false) {}
 
  private:

@@ -177,15 +177,19 @@ PYBIND11_MODULE(_C, m) {
       .def("set_replay_schedule", [](region::Region& self,
                                      const std::vector<std::tuple<
                                          std::tuple<std::string, int64_t, int32_t>,
+                                         std::vector<std::tuple<std::string, int64_t, int32_t>>,
                                          std::vector<std::tuple<std::string, int64_t, int32_t>>>>& steps) {
         auto key = [](const std::tuple<std::string, int64_t, int32_t>& k) {
           return region::TensorKey{std::get<0>(k), std::get<1>(k), std::get<2>(k)};
         };
         region::ReplaySchedule schedule;
-        for (const auto& [unpacked, keep] : steps) {
-          region::RebuildStep step{key(unpacked), {}};
+        for (const auto& [unpacked, keep, release] : steps) {
+          region::RebuildStep step{key(unpacked), {}, {}};
           for (const auto& k : keep) {
             step.keep.push_back(key(k));
+          }
+          for (const auto& k : release) {
+            step.release.push_back(key(k));
           }
           schedule.push_back(std::move(step));
         }
@@ -208,7 +212,11 @@ PYBIND11_MODULE(_C, m) {
           for (const auto& k : step.keep) {
             keep.append(key(k));
           }
-          steps.append(py::make_tuple(key(step.unpacked), keep));
+          py::list release;
+          for (const auto& k : step.release) {
+            release.append(key(k));
+          }
+          steps.append(py::make_tuple(key(step.unpacked), keep, release));
         }
         return steps;
       })

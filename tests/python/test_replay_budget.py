@@ -256,7 +256,7 @@ def test_recorded_schedule_runs_again_exactly(tmp_path):
     assert schedule.saved == []
     # Rebuild #0 is for x_7 (the output x_8 is alive); later ones go back.
     assert schedule.rebuilds[0][0] == ("aten::tanh.default", 6, 0)
-    unpacked = [key.call_index for key, _ in schedule.rebuilds]
+    unpacked = [step.unpacked.call_index for step in schedule.rebuilds]
     assert unpacked == sorted(unpacked, reverse=True)
     path = tmp_path / "schedule.json"
     schedule.save(path)

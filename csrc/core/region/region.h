@@ -255,6 +255,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   struct ExecutedStep {
     ExecutedKey unpacked;
     std::vector<ExecutedKey> keep;
+    std::vector<ExecutedKey> release;
   };
 
   SavedActivation pack_locked(const at::Tensor& t);
@@ -306,6 +307,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   TensorKey key_of(int32_t storage) const;
   std::string describe_key(const TensorKey& key) const;
   int64_t strong_memo_bytes() const;
+  // After a rebuild: the schedule's releases, or under a replay budget, lets
+  // go of other rebuilt tensors until what the region holds fits (the one
+  // just rebuilt for autograd stays held). Records what it released.
+  void release_after_rebuild(int32_t target);
   void memoise(int32_t storage, const at::Tensor& t, int32_t state);
   // Weakens the memos nothing in this pass will unpack again; forgets the
   // weak ones whose storage died.

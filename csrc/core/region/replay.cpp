@@ -50,6 +50,10 @@ at::Tensor unpack(const SavedActivation& saved) {
 }
 
 at::Tensor Region::rebuild(const SavedActivation& saved) {
+  // The views and aliases made here are the region's own bookkeeping: a
+  // region open on this thread (backward inside the `with` block) must not
+  // record them, and this one would deadlock on its own mutex.
+  const c10::impl::ExcludeDispatchKeyGuard not_intercepted(kInterceptKey);
   std::lock_guard<std::mutex> lock(mutex_);
   StorageRecord& record = storages_.at(saved.storage);
   const uint32_t now = current_version(saved.version_counter);
@@ -256,8 +260,56 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
       "torch_sac: replay did not rebuild the storage at the state autograd saved");
   const at::Tensor result = std::move(target->second.first);
   memoise(storage, result, state);
+  release_after_rebuild(storage);
   stats_.peak_memo_bytes = std::max(stats_.peak_memo_bytes, strong_memo_bytes());
   return result.storage();
+}
+
+void Region::release_after_rebuild(int32_t target) {
+  if (!schedule_ && replay_budget_ == kNoReplayBudget) {
+    return;
+  }
+  std::vector<int32_t> held;
+  for (int32_t s : memoised_) {
+    if (s != target && storages_[s].memo.strong()) {
+      held.push_back(s);
+    }
+  }
+  std::vector<int32_t> released;
+  if (schedule_) {
+    const size_t rebuild = executed_.size() - 1;
+    for (const TensorKey& key : (*schedule_)[rebuild].release) {
+      const auto found = std::find_if(held.begin(), held.end(), [&](int32_t s) {
+        return key_of(s) == key;
+      });
+      TORCH_CHECK_VALUE(
+          found != held.end(),
+          "torch_sac: replay schedule rebuild #", rebuild, " releases ", describe_key(key),
+          ", which the region does not hold at that point (never kept, or already unpacked "
+          "for the last time).");
+      released.push_back(*found);
+    }
+  } else {
+    // Earlier targets still waiting for unpacks are held too: let go of the
+    // earliest in the tape first (backward reaches them last); one still
+    // alive elsewhere is served from there, the others are rebuilt.
+    std::sort(held.begin(), held.end(), [&](int32_t a, int32_t b) {
+      return storages_[a].producer < storages_[b].producer;
+    });
+    int64_t bytes = strong_memo_bytes();
+    for (int32_t s : held) {
+      if (bytes <= replay_budget_) {
+        break;
+      }
+      bytes -= storages_[s].memo.strong_bytes();
+      released.push_back(s);
+    }
+  }
+  for (int32_t s : released) {
+    storages_[s].memo.weaken();
+    ++stats_.memos_skipped;
+    executed_.back().release.push_back(executed_key_of(s));
+  }
 }
 
 std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t target) const {
@@ -284,7 +336,7 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
   } else if (replay_budget_ != kNoReplayBudget) {
     allowed = memos_within_budget(plan, target, candidates);
   }
-  ExecutedStep step{executed_key_of(target), {}};
+  ExecutedStep step{executed_key_of(target), {}, {}};
   for (int32_t s : candidates) {
     if (!allowed || allowed->count(s)) {
       step.keep.push_back(executed_key_of(s));
@@ -481,10 +533,12 @@ ReplaySchedule Region::executed_schedule() const {
   ReplaySchedule schedule;
   schedule.reserve(executed_.size());
   for (const ExecutedStep& step : executed_) {
-    RebuildStep named_step{named(step.unpacked), {}};
-    named_step.keep.reserve(step.keep.size());
+    RebuildStep named_step{named(step.unpacked), {}, {}};
     for (const ExecutedKey& key : step.keep) {
       named_step.keep.push_back(named(key));
+    }
+    for (const ExecutedKey& key : step.release) {
+      named_step.release.push_back(named(key));
     }
     schedule.push_back(std::move(named_step));
   }

@@ -33,6 +33,10 @@ struct TensorKey {
 struct RebuildStep {
   TensorKey unpacked;
   std::vector<TensorKey> keep;
+  // Tensors kept by earlier rebuilds, still waiting for unpacks, that this
+  // one lets go of once it is done (a replay budget does this to stay
+  // within its bytes); a later unpack of one rebuilds it again.
+  std::vector<TensorKey> release;
 };
 
 using ReplaySchedule = std::vector<RebuildStep>;
