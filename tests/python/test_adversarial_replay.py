@@ -3,8 +3,9 @@ schedules and the profiler's view of them.
 
 Every gradient is compared bitwise with plain autograd (CPU, deterministic
 ops); every error must leave nothing installed and the next normal run
-must work. Tests that show a bug are ``xfail(strict=True)`` with the
-precise symptom in ``reason``.
+must work. Tests that showed a bug (fixed since) say so in a comment above
+them; a bug still open would be ``xfail(strict=True)`` with the precise
+symptom in ``reason``.
 """
 
 import json
@@ -584,8 +585,6 @@ def test_double_backward(budget):
     compare(fn, leaves, budget, backward=backward)
 
 
-@pytest.mark.skipif(os.environ.get("TORCH_SAC_ADAPTER", "key") != "python",
-                    reason="hangs with the key adapter: test_backward_inside_open_region_does_not_hang")
 @pytest.mark.parametrize("budget", [0, 700, None])
 def test_double_backward_with_grad_computed_inside_region(budget):
     """Gradient penalty: torch.autograd.grad(create_graph=True) inside the
@@ -652,28 +651,23 @@ def _run_scripts(codes, timeout=10):
     return results
 
 
-_KEY = os.environ.get("TORCH_SAC_ADAPTER", "key") != "python"
-
-
-@pytest.mark.xfail(_KEY, strict=True, reason=(
-    "key adapter (the default): a backward inside the open sac_context block that unpacks a "
-    "dropped activation deadlocks - plain loss.backward() inside the with block, or "
-    "torch.autograd.grad(create_graph=True) for a gradient penalty. Region::rebuild holds "
-    "Region::mutex_; replay_entry's entry.op.callBoxed reaches key_fallback -> "
-    "Region::handle of the same open region (gdb: replay_entry -> Dispatcher::callBoxed -> "
-    "key_fallback -> run_level -> Region::handle -> pthread_mutex_lock), which locks mutex_ "
-    "again (std::mutex, same thread). Hangs forever, with or without replay_budget; the "
-    "python adapter runs both and is exact"))
+# Regression test (bug found by this review, fixed in 2a64ac6): key adapter (the default): a
+# backward inside the open sac_context block that unpacks a dropped activation deadlocks -
+# plain loss.backward() inside the with block, or torch.autograd.grad(create_graph=True) for
+# a gradient penalty. Region::rebuild holds Region::mutex_; replay_entry's
+# entry.op.callBoxed reaches key_fallback -> Region::handle of the same open region (gdb:
+# replay_entry -> Dispatcher::callBoxed -> key_fallback -> run_level -> Region::handle ->
+# pthread_mutex_lock), which locks mutex_ again (std::mutex, same thread). Hangs forever,
+# with or without replay_budget; the python adapter runs both and is exact
 def test_backward_inside_open_region_does_not_hang():
     assert _run_scripts([_BACKWARD_INSIDE_REGION, _GRAD_INSIDE_REGION]) == ["ok", "ok"]
 
 
-@pytest.mark.xfail(_KEY, strict=True, reason=(
-    "key adapter: a closed region A's replays, run by a backward called inside another "
-    "open region B (gradient penalty), go through B's handler: B's policy is asked about "
-    "A's replayed addmm/tanh (ctx.is_recompute False) and B records them in its tape, "
-    "shifting B's call indices (every_nth, budget plans, schedule keys) compared with the "
-    "python adapter. Gradients stay exact"))
+# Regression test (bug found by this review, fixed in 2a64ac6): key adapter: a closed region
+# A's replays, run by a backward called inside another open region B (gradient penalty), go
+# through B's handler: B's policy is asked about A's replayed addmm/tanh (ctx.is_recompute
+# False) and B records them in its tape, shifting B's call indices (every_nth, budget plans,
+# schedule keys) compared with the python adapter. Gradients stay exact
 def test_replays_of_another_region_are_not_recorded():
     from torch.utils.checkpoint import CheckpointPolicy as CP
     seen = []
@@ -697,14 +691,14 @@ def test_replays_of_another_region_are_not_recorded():
 # The replay budget's memory bound
 # --------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "replay_budget=0 holds two rebuilt tensors: the target of a rebuild is always memoised "
-    "strongly (materialize: memoise(storage, result, state)) until its last pending unpack, "
-    "even when that exceeds the budget; a later rebuild of another tensor while it is still "
-    "pending adds its bytes (free_bytes goes negative, but the new target is memoised "
-    "anyway). Here exp(c) (1 KiB, unpacked by MulBackward then ExpBackward) is held while "
-    "a=tanh(x@w) (1 KiB) is rebuilt: peak_memo_bytes 2048 > max(budget 0, 1024). "
-    "docs/design.md promises at most b bytes, the tensor being handed over included"))
+# Regression test (bug found by this review, fixed in 2a64ac6): replay_budget=0 holds two
+# rebuilt tensors: the target of a rebuild is always memoised strongly (materialize:
+# memoise(storage, result, state)) until its last pending unpack, even when that exceeds the
+# budget; a later rebuild of another tensor while it is still pending adds its bytes
+# (free_bytes goes negative, but the new target is memoised anyway). Here exp(c) (1 KiB,
+# unpacked by MulBackward then ExpBackward) is held while a=tanh(x@w) (1 KiB) is rebuilt:
+# peak_memo_bytes 2048 > max(budget 0, 1024). docs/design.md promises at most b bytes, the
+# tensor being handed over included
 @pytest.mark.parametrize("budget", [0, 1024])
 def test_peak_memo_bytes_within_budget_two_pending_targets(budget):
     torch.manual_seed(0)
@@ -1205,14 +1199,13 @@ def test_profile_counts_dropin_recompute_and_budget_replays_as_replay_flops():
     assert details["aten::addmm.default"]["replays_by_call"] == [3, 2, 1, 0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "profile: a region keys ops run under torch.no_grad inside it as calls (call indices, "
-    "replays_by_call, 'dropped'), but Profile._op_done attributes an op to the open region "
-    "only when torch.is_grad_enabled(); the profile's and the region's call lists then "
-    "differ, so replay_flops falls back to the mean estimate (27648 vs the true 26624 "
-    "here, replay_flops_exact False) and forward_calls is 4 where the region has 5. "
-    "Python fix: in torch_sac/profiler.py _op_done, recorded = not "
-    "torch.is_inference_mode_enabled() (the region skips inference-mode ops only)"))
+# Regression test (bug found by this review, fixed in 2a64ac6): profile: a region keys ops
+# run under torch.no_grad inside it as calls (call indices, replays_by_call, 'dropped'), but
+# Profile._op_done attributes an op to the open region only when torch.is_grad_enabled();
+# the profile's and the region's call lists then differ, so replay_flops falls back to the
+# mean estimate (27648 vs the true 26624 here, replay_flops_exact False) and forward_calls
+# is 4 where the region has 5. Python fix: in torch_sac/profiler.py _op_done, recorded = not
+# torch.is_inference_mode_enabled() (the region skips inference-mode ops only)
 def test_profile_replay_flops_exact_with_a_no_grad_op_in_the_region():
     torch.manual_seed(0)
     sizes = [8, 32, 16, 64, 8]
@@ -1458,11 +1451,11 @@ def test_two_threads_each_with_its_own_budgeted_region():
     assert_clean()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "replay_budget memory bound: in random programs (the fuzz's _program) the region often "
-    "holds several rebuilt tensors above the budget at once; this one, budget 0, holds 4 "
-    "tensors of 128 bytes (peak_memo_bytes 512 > max(0, 128)). Rebuilt targets are memoised "
-    "strongly whatever the budget (see test_peak_memo_bytes_within_budget_two_pending_targets)"))
+# Regression test (bug found by this review, fixed in 2a64ac6): replay_budget memory bound:
+# in random programs (the fuzz's _program) the region often holds several rebuilt tensors
+# above the budget at once; this one, budget 0, holds 4 tensors of 128 bytes
+# (peak_memo_bytes 512 > max(0, 128)). Rebuilt targets are memoised strongly whatever the
+# budget (see test_peak_memo_bytes_within_budget_two_pending_targets)
 def test_peak_memo_bytes_within_budget_random_program():
     ops = [('tanh', 29, 2), ('addcmul', 16, 20), ('exp_small', 5, 16), ('addcmul', 25, 28),
            ('relu_', 9, 9), ('matmul', 9, 27), ('tanh_', 11, 5), ('matmul', 22, 23), ('maxidx', 19, 2)]
