@@ -378,7 +378,10 @@ std::unordered_set<int32_t> Region::memos_scheduled(
       "torch_sac: replay schedule rebuild #", rebuild, " is for ", describe_key(step.unpacked),
       ", but backward unpacked ", describe_key(unpacked), " there. The schedule was made for "
       "another program, other inputs or another policy, or it keeps tensors a different "
-      "schedule keeps: record it again (region.replay_schedule()) from a run of this one.");
+      "schedule keeps; or backward runs in another order or in several passes than the "
+      "recorded run (a schedule covers one pass, the last one the region ran; a second "
+      "backward or autograd.grad reading the same tensors starts a new pass): record it "
+      "again (region.replay_schedule()) from a run of this one.");
   // Candidates by (op index, call, output): a recorded schedule of a large
   // model keeps thousands of tensors in one step.
   auto packed = [](int32_t op_index, int64_t call_index, int32_t output) {
