@@ -188,6 +188,16 @@ SelectiveCache::OpTraits op_traits(const c10::OperatorHandle& op) {
 void SelectiveCache::begin_forward() {
   records_ = !recording_disabled();
   forward_numerics_ = NumericsState::current();
+  if (records_) {
+    // Regions usually record tens of ops (a small transformer block about
+    // 50, of some 25 overloads): grown from empty, each of these would be
+    // reallocated or rehashed several times per region. A one-op region pays
+    // a few kB it does not use.
+    records_by_op_.reserve(64);
+    first_seen_order_.reserve(64);
+    inputs_seen_.reserve(256);
+    produced_.reserve(128);
+  }
 }
 
 void SelectiveCache::finish_forward() {
