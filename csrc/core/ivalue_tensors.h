@@ -8,15 +8,14 @@
 namespace torch_sac {
 
 // Calls fn(tensor) for every tensor in `value`, in order (None elements of
-// Tensor?[] are skipped, as map_tensors leaves them alone).
+// Tensor?[] are skipped, as map_tensors leaves them alone). Every op argument
+// passes through here: a Tensor[] is walked as the list of IValues it is,
+// since isTensorList() is an out-of-line call (reading the element type) that
+// would be paid by every scalar argument too.
 template <typename Fn>
 void for_each_tensor(const c10::IValue& value, Fn&& fn) {
   if (value.isTensor()) {
     fn(value.toTensor());
-  } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorList()) {
-      fn(t);
-    }
   } else if (value.isList()) {
     for (const c10::IValue& v : value.toListRef()) {
       for_each_tensor(v, fn);

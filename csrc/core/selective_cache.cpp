@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <sstream>
 
 #include "detached_alias.h"
@@ -123,11 +124,80 @@ void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
       "and do not call backward() or an optimizer step inside the checkpointed function.");
 }
 
+SelectiveCache::OpTraits compute_op_traits(const c10::OperatorHandle& op) {
+  SelectiveCache::OpTraits traits;
+  traits.ignored = is_ignored_op(op.operator_name());
+  traits.written_args = written_args(op);
+  traits.draws_random = op.hasTag(at::Tag::nondeterministic_seeded);
+  const auto& args = op.schema().arguments();
+  traits.num_args = args.size();
+  traits.num_returns = op.schema().returns().size();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == "dropout_p") {
+      traits.dropout_p_arg = i;
+    }
+  }
+  for (const c10::Argument& ret : op.schema().returns()) {
+    traits.returns_alias = traits.returns_alias || ret.alias_info();
+    traits.returns_written_arg =
+        traits.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
+  }
+  return traits;
+}
+
+// Traits of every op overload met so far, shared by all regions and threads:
+// a region meets its ops anew, and reading a schema is far dearer than a
+// lookup. An op's entry goes when the op is deregistered, as a new op may
+// then get its handle.
+class OpTraitsCache final : public c10::OpRegistrationListener {
+ public:
+  SelectiveCache::OpTraits get(const c10::OperatorHandle& op) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = traits_.find(op);
+    if (it == traits_.end()) {
+      it = traits_.emplace(op, compute_op_traits(op)).first;
+    }
+    return it->second;
+  }
+  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {}
+  void onOperatorDeregistered(const c10::OperatorHandle& op) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    traits_.erase(op);
+  }
+
+ private:
+  std::mutex mutex_;
+  ska::flat_hash_map<c10::OperatorHandle, SelectiveCache::OpTraits> traits_;
+};
+
+SelectiveCache::OpTraits op_traits(const c10::OperatorHandle& op) {
+  // The dispatcher owns the listener. The registration handle is leaked on
+  // purpose: undoing it at exit could run after the dispatcher is gone.
+  static OpTraitsCache* const cache = [] {
+    auto listener = std::make_unique<OpTraitsCache>();
+    OpTraitsCache* raw = listener.get();
+    new c10::RegistrationHandleRAII(
+        c10::Dispatcher::singleton().addRegistrationListener(std::move(listener)));
+    return raw;
+  }();
+  return cache->get(op);
+}
+
 } // namespace
 
 void SelectiveCache::begin_forward() {
   records_ = !recording_disabled();
   forward_numerics_ = NumericsState::current();
+  if (records_) {
+    // Regions usually record tens of ops (a small transformer block about
+    // 50, of some 25 overloads): grown from empty, each of these would be
+    // reallocated or rehashed several times per region. A one-op region pays
+    // a few kB it does not use.
+    records_by_op_.reserve(64);
+    first_seen_order_.reserve(64);
+    inputs_seen_.reserve(256);
+    produced_.reserve(128);
+  }
 }
 
 void SelectiveCache::finish_forward() {
@@ -140,9 +210,11 @@ void SelectiveCache::finish_forward() {
       if (entry.state != EntryState::Cached) {
         continue;
       }
-      entry.watched_versions.clear();
-      for (const c10::VariableVersion& counter : entry.watched) {
-        entry.watched_versions.push_back(current_version(counter));
+      SelectiveCache::CachedOutputs& cached = *entry.cached;
+      cached.watched_versions.clear();
+      cached.watched_versions.reserve(cached.watched.size());
+      for (const c10::VariableVersion& counter : cached.watched) {
+        cached.watched_versions.push_back(current_version(counter));
       }
     }
   }
@@ -162,26 +234,14 @@ void SelectiveCache::finish_recompute() {
 }
 
 SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& op) {
-  auto [it, inserted] = records_by_op_.try_emplace(op, op);
-  if (inserted) {
-    OpRecord& record = it->second;
-    record.ignored = is_ignored_op(op.operator_name());
-    record.written_args = written_args(op);
-    record.draws_random = op.hasTag(at::Tag::nondeterministic_seeded);
-    const auto& args = op.schema().arguments();
-    for (size_t i = 0; i < args.size(); ++i) {
-      if (args[i].name() == "dropout_p") {
-        record.dropout_p_arg = i;
-      }
-    }
-    for (const c10::Argument& ret : op.schema().returns()) {
-      record.returns_alias = record.returns_alias || ret.alias_info();
-      record.returns_written_arg =
-          record.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
-    }
-    first_seen_order_.push_back(&record);
+  auto it = records_by_op_.find(op);
+  if (it != records_by_op_.end()) {
+    return *it->second;
   }
-  return it->second;
+  auto& record = records_by_op_.emplace(op, std::make_unique<OpRecord>(op, op_traits(op)))
+                     .first->second;
+  first_seen_order_.push_back(record.get());
+  return *record;
 }
 
 void SelectiveCache::cache_outputs(
@@ -190,12 +250,14 @@ void SelectiveCache::cache_outputs(
     c10::ArrayRef<c10::IValue> outputs) {
   Entry& entry = record.entries[call_index];
   entry.state = EntryState::Cached;
-  entry.outputs.reserve(outputs.size());
+  entry.cached = std::make_unique<CachedOutputs>();
+  CachedOutputs& cached = *entry.cached;
+  cached.outputs.reserve(outputs.size());
   for (const c10::IValue& out : outputs) {
-    entry.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
+    cached.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
       if (t.defined()) {
-        entry.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
-        entry.bytes += tensor_bytes(t);
+        cached.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        cached.bytes += tensor_bytes(t);
         if (const c10::StorageImpl* s = storage_of(t)) {
           cached_storages_[s].emplace_back(&record, call_index);
         }
@@ -204,7 +266,7 @@ void SelectiveCache::cache_outputs(
     }));
   }
   ++stats_.saved_ops;
-  stats_.saved_bytes += entry.bytes;
+  stats_.saved_bytes += cached.bytes;
 }
 
 void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
@@ -218,11 +280,9 @@ void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
       continue;
     }
     entry.state = EntryState::Recompute;
-    entry.outputs.clear();
-    entry.watched.clear();
     --stats_.saved_ops;
-    stats_.saved_bytes -= entry.bytes;
-    entry.bytes = 0;
+    stats_.saved_bytes -= entry.cached->bytes;
+    entry.cached.reset();
     ++stats_.invalidated_ops;
   }
   cached_storages_.erase(it);
@@ -241,7 +301,7 @@ void SelectiveCache::watch_aliases(c10::ArrayRef<c10::IValue> outputs) {
       for (const auto& [record, call_index] : it->second) {
         Entry& entry = record->entries[call_index];
         if (entry.state == EntryState::Cached) {
-          entry.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+          entry.cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
         }
       }
     });
@@ -275,7 +335,7 @@ void CachingHandler::handle(
   }
   TORCH_CHECK(policy_, "torch_sac: ", op_display_name(op), " ran in a forward checkpoint "
               "context that was already exited; enter a new pair of contexts per forward.");
-  const size_t num_args = op.schema().arguments().size();
+  const size_t num_args = record.num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - num_args, num_args);
   // A policy that looks at the inputs sees them after the op ran (torch calls
@@ -287,16 +347,17 @@ void CachingHandler::handle(
   const bool draws_now = record.draws_random &&
       !(record.dropout_p_arg && args[*record.dropout_p_arg].isDouble() &&
         args[*record.dropout_p_arg].toDouble() == 0.0);
-  std::vector<SelectiveCache::InputSeen> seen;
-  seen.reserve(num_args);
+  auto& inputs_seen = cache_->inputs_seen_;
+  const size_t inputs_begin = inputs_seen.size();
   std::vector<SelectiveCache::StorageWritten> writes;
   uint32_t position = 0;
   const int64_t sequence_position = cache_->forward_ops_;
   for (size_t i = 0; i < num_args; ++i) {
-    const bool written = std::find(record.written_args.begin(), record.written_args.end(), i) !=
-        record.written_args.end();
+    const bool written = !record.written_args.empty() &&
+        std::find(record.written_args.begin(), record.written_args.end(), i) !=
+            record.written_args.end();
     for_each_tensor(args[i], [&](const at::Tensor& t) {
-      SelectiveCache::InputSeen input;
+      SelectiveCache::InputSeen& input = inputs_seen.emplace_back();
       if (const c10::StorageImpl* s = storage_of(t)) {
         input.storage.emplace(t.storage().getWeakStorageImpl());
         input.version = version_of(t);
@@ -307,10 +368,10 @@ void CachingHandler::handle(
           cache_->last_write_[s] = sequence_position;
         }
       }
-      seen.push_back(std::move(input));
       ++position;
     });
   }
+  const size_t num_inputs = inputs_seen.size() - inputs_begin;
   // An op that writes its arguments is re-run in recompute whatever the
   // policy says, unless it only writes tensors from outside the region
   // (BatchNorm's running statistics) and returns new tensors: a cache hit
@@ -323,8 +384,10 @@ void CachingHandler::handle(
          return cache_->produced_.count(w.storage->_unsafe_get_target()) > 0;
        }));
   run(stack);
-  const size_t num_returns = op.schema().returns().size();
+  const size_t num_returns = record.num_returns;
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+  const c10::ArrayRef<SelectiveCache::InputSeen> seen(
+      cache_->inputs_seen_.data() + inputs_begin, num_inputs);
   // New tensors, as the region engine counts them: an output on a storage
   // no argument lives on (`_unsafe_view` declares no alias but returns its
   // input's storage), each storage once.
@@ -355,14 +418,14 @@ void CachingHandler::handle(
   const Policy decision = policy_->decide(OpCall{op, inputs, outputs, call_index, adapter_view});
   ++cache_->stats().policy_calls;
 
+  // Calls whose policy raised have no entry of their own: they keep a
+  // default one, recomputed.
   auto& entries = record.entries;
-  if (entries.size() <= static_cast<size_t>(call_index)) {
-    entries.resize(call_index + 1);
-  }
-  SelectiveCache::Entry& entry = entries[call_index];
-  entry = SelectiveCache::Entry{};
+  entries.resize(call_index);
+  SelectiveCache::Entry& entry = entries.emplace_back();
   entry.signature = signature_of(outputs);
-  entry.inputs = std::move(seen);
+  entry.inputs_begin = inputs_begin;
+  entry.num_inputs = num_inputs;
   entry.writes = std::move(writes);
   entry.position = cache_->forward_ops_++;
   entry.made_new = made_new;
@@ -387,15 +450,17 @@ void CachedHandler::check_inputs(
     c10::ArrayRef<c10::IValue> inputs) const {
   const SelectiveCache::Entry& entry = record.entries[call_index];
   const int64_t position = entry.position;
+  const c10::ArrayRef<SelectiveCache::InputSeen> forward_inputs(
+      cache_->inputs_seen_.data() + entry.inputs_begin, entry.num_inputs);
   size_t k = 0;
   bool count_matches = true;
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
-      if (k >= entry.inputs.size()) {
+      if (k >= forward_inputs.size()) {
         count_matches = false;
         return;
       }
-      const SelectiveCache::InputSeen& seen = entry.inputs[k++];
+      const SelectiveCache::InputSeen& seen = forward_inputs[k++];
       const c10::StorageImpl* s = storage_of(t);
       if (!SelectiveCache::same_storage(seen.storage, s)) {
         return;  // not the storage forward read (recompute made it anew)
@@ -430,7 +495,7 @@ void CachedHandler::check_inputs(
           "in place in between.)");
     });
   }
-  if (k != entry.inputs.size() || !count_matches) {
+  if (k != forward_inputs.size() || !count_matches) {
     recompute_mismatch(record.op, call_index,
                        "ran with a different number of tensor arguments than in forward");
   }
@@ -439,10 +504,10 @@ void CachedHandler::check_inputs(
 void CachedHandler::check_cached_unchanged(
     const SelectiveCache::OpRecord& record,
     int64_t call_index) const {
-  const SelectiveCache::Entry& entry = record.entries[call_index];
-  for (size_t i = 0; i < entry.watched.size(); ++i) {
-    const uint32_t cached_version = entry.watched_versions[i];
-    const uint32_t now = current_version(entry.watched[i]);
+  const SelectiveCache::CachedOutputs& cached = *record.entries[call_index].cached;
+  for (size_t i = 0; i < cached.watched.size(); ++i) {
+    const uint32_t cached_version = cached.watched_versions[i];
+    const uint32_t now = current_version(cached.watched[i]);
     TORCH_CHECK(
         now == cached_version,
         "torch_sac: an output of ", op_display_name(record.op), " (call ", call_index,
@@ -476,7 +541,7 @@ void CachedHandler::handle(
               std::to_string(record.entries.size()) + " times");
   }
   SelectiveCache::Entry& entry = record.entries[call_index];
-  const size_t num_args = op.schema().arguments().size();
+  const size_t num_args = record.num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   check_inputs(record, call_index,
                c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args));
@@ -505,7 +570,7 @@ void CachedHandler::handle(
       run(stack);
       const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
           std::chrono::steady_clock::now() - start).count();
-      const size_t num_returns = op.schema().returns().size();
+      const size_t num_returns = record.num_returns;
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
         recompute_mismatch(op, call_index, "made outputs [" + describe_outputs(outputs) +
@@ -532,12 +597,10 @@ void CachedHandler::handle(
     check_cached_unchanged(record, call_index);
   }
   torch::jit::drop(*stack, num_args);
-  for (c10::IValue& out : entry.outputs) {
+  for (c10::IValue& out : entry.cached->outputs) {
     stack->push_back(std::move(out));
   }
-  entry.outputs.clear();
-  entry.watched.clear();
-  entry.watched_versions.clear();
+  entry.cached.reset();
   entry.state = SelectiveCache::EntryState::Consumed;
   ++stats.cache_hits;
 }

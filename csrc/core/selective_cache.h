@@ -29,14 +29,14 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -96,8 +96,9 @@ class SelectiveCache {
     return storage && seen && seen->use_count() > 0 && seen->_unsafe_get_target() == storage;
   }
 
-  struct Entry {
-    EntryState state = EntryState::Recompute;
+  // What recompute hands back for a cached call, kept only while the call
+  // is cached.
+  struct CachedOutputs {
     // Outputs as recompute hands them back: floating-point/complex tensors and
     // outputs of aliasing ops are replaced by detached aliases sharing storage
     // and version counter; other tensors are kept as they are (PyTorch gives
@@ -109,30 +110,48 @@ class SelectiveCache {
     // their own), and their versions when forward ended.
     std::vector<c10::VariableVersion> watched;
     std::vector<uint32_t> watched_versions;
-    // Shapes and dtypes of the outputs, hashed.
-    uint64_t signature = 0;
-    std::vector<InputSeen> inputs;      // in for_each_tensor order
-    std::vector<StorageWritten> writes;
-    int64_t position = 0;               // among all ops forward recorded
+  };
+
+  struct Entry {
+    EntryState state = EntryState::Recompute;
     // Whether the call made new tensors (an output on a storage no argument
     // lives on), and their storage bytes: what a profile reports as kept or
     // dropped.
     bool made_new = false;
     int64_t new_bytes = 0;
+    // Shapes and dtypes of the outputs, hashed.
+    uint64_t signature = 0;
+    // The call's tensor inputs in for_each_tensor order:
+    // inputs_seen_[inputs_begin, inputs_begin + num_inputs). One array for
+    // the whole region, so recording a call allocates nothing.
+    size_t inputs_begin = 0;
+    size_t num_inputs = 0;
+    std::vector<StorageWritten> writes;
+    int64_t position = 0;               // among all ops forward recorded
     int64_t recomputed = 0;             // times recompute re-ran this call
+    std::unique_ptr<CachedOutputs> cached;  // set while state is Cached
   };
 
-  // Everything the region knows about one op overload, found with a single
-  // hash lookup per intercepted op.
-  struct OpRecord {
-    explicit OpRecord(const c10::OperatorHandle& handle) : op(handle) {}
+  // What the schema and tags of an op overload say, the same in every region.
+  struct OpTraits {
     bool ignored = false;           // in the ignored set: never cached
     std::vector<size_t> written_args;
     bool returns_written_arg = false;  // in-place and out= ops
     bool returns_alias = false;        // views, in-place and out= ops
     bool draws_random = false;         // nondeterministic_seeded: never cached...
     std::optional<size_t> dropout_p_arg;  // ...unless its `dropout_p` is 0 (SDPA)
-    std::vector<Entry> entries;     // indexed by forward call index
+    size_t num_args = 0;
+    size_t num_returns = 0;
+  };
+
+  // Everything the region knows about one op overload, found with a single
+  // hash lookup per intercepted op.
+  struct OpRecord : OpTraits {
+    OpRecord(const c10::OperatorHandle& handle, const OpTraits& traits)
+        : OpTraits(traits), op(handle) {}
+    // Indexed by forward call index. Most ops run a few times per region:
+    // their entries live in the record, not in a vector regrown per call.
+    c10::SmallVector<Entry, 4> entries;
     int64_t forward_calls = 0;      // call counter of the caching handler
     int64_t recompute_calls = 0;    // call counter of the cached handler
     int64_t recomputed = 0;         // calls re-run during recompute
@@ -172,16 +191,21 @@ class SelectiveCache {
   void invalidate(const c10::StorageImpl* storage);
   void watch_aliases(c10::ArrayRef<c10::IValue> outputs);
 
-  std::unordered_map<c10::OperatorHandle, OpRecord> records_by_op_;
+  // Every intercepted op meets these maps, forward and recompute: open
+  // addressing, so a lookup hashes no strings and an insert allocates only
+  // when the table grows.
+  ska::flat_hash_map<c10::OperatorHandle, std::unique_ptr<OpRecord>> records_by_op_;
   std::vector<OpRecord*> first_seen_order_;
   int64_t forward_ops_ = 0;  // ops recorded in forward: the next one's position
+  // Tensor inputs of every call forward recorded (see Entry::inputs_begin).
+  std::vector<InputSeen> inputs_seen_;
   // Cached entries by the storages their outputs live on.
-  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<OpRecord*, int64_t>>>
+  ska::flat_hash_map<const c10::StorageImpl*, std::vector<std::pair<OpRecord*, int64_t>>>
       cached_storages_;
   // Storages of every op output in forward (so possibly made anew by
   // recompute), and storages forward wrote to, with its last write.
-  std::unordered_set<const c10::StorageImpl*> produced_;
-  std::unordered_map<const c10::StorageImpl*, int64_t> last_write_;
+  ska::flat_hash_set<const c10::StorageImpl*> produced_;
+  ska::flat_hash_map<const c10::StorageImpl*, int64_t> last_write_;
   bool records_ = true;
   bool forward_finished_ = false;
   NumericsState forward_numerics_;
