@@ -76,16 +76,23 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
   const PythonCallView view{func, args, kwargs};
   // Keeps the handler alive even if the mode is reset while the op runs.
   const std::shared_ptr<OpHandler> handler = *mode->handler;
-  handler->handle(
-      op,
-      &stack,
-      [&](torch::jit::Stack* s) {
-        // torch pops this mode while __torch_dispatch__ runs, so this call
-        // reaches the next mode or the kernel.
-        py::gil_scoped_release no_gil;
-        op.callBoxed(s);
-      },
-      &view);
+  {
+    // Handlers run without the GIL, as under the key adapter (torch's op
+    // bindings release it): a region's mutex may be held by a backward
+    // thread whose rebuild needs the GIL (copying a tensor Python owns takes
+    // it), so waiting for that mutex with the GIL held would deadlock.
+    // Python policies take the GIL back themselves.
+    py::gil_scoped_release no_gil;
+    handler->handle(
+        op,
+        &stack,
+        [&](torch::jit::Stack* s) {
+          // torch pops this mode while __torch_dispatch__ runs, so this call
+          // reaches the next mode or the kernel.
+          op.callBoxed(s);
+        },
+        &view);
+  }
   return torch::jit::createPyObjectForStack(std::move(stack)).release().ptr();
   END_HANDLE_TH_ERRORS
 }
