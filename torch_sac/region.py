@@ -1,5 +1,6 @@
 """Checkpointing a region of code in place: ``with torch_sac.sac_context(policy):``."""
 
+import collections
 import numbers
 import threading
 
@@ -10,7 +11,7 @@ from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .schedule import ReplaySchedule
 
-__all__ = ["sac_context", "checkpoint"]
+__all__ = ["ReplayBudget", "sac_context", "checkpoint"]
 
 # Regions entered on this thread, outermost first. Regions are thread-local,
 # like the interceptor and autograd's saved-tensor hooks they switch on.
@@ -36,17 +37,41 @@ def _observers():
     return _active.observers
 
 
+class ReplayBudget(collections.namedtuple("ReplayBudget", ["bytes", "counts_saved"])):
+    """A replay budget, for ``replay_budget=`` of :class:`sac_context`.
+
+    ``ReplayBudget(bytes)`` is the same as ``replay_budget=bytes``: the region
+    holds at most ``bytes`` of rebuilt tensors during backward. With
+    ``counts_saved=True`` the outputs the policy kept in forward count too
+    while they are alive (autograd frees each once backward is past it), so
+    the room a kept checkpoint leaves goes to rebuilds. That is how a plan
+    whose forward keeps the first sweep of an optimal reversal runs
+    (:func:`torch_sac.policies.budget` with ``peak_bytes``).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, bytes, counts_saved=False):
+        if isinstance(bytes, bool) or not isinstance(bytes, numbers.Integral):
+            raise TypeError(f"torch_sac.ReplayBudget: bytes must be an int, got {bytes!r}")
+        if bytes < 0:
+            raise ValueError(f"torch_sac.ReplayBudget: bytes must be >= 0, got {bytes}")
+        if not isinstance(counts_saved, bool):
+            raise TypeError(f"torch_sac.ReplayBudget: counts_saved must be a bool, got {counts_saved!r}")
+        return super().__new__(cls, int(bytes), counts_saved)
+
+
 def _check_replay_budget(replay_budget, where):
-    """None or an int number of bytes >= 0."""
-    if replay_budget is None:
-        return None
+    """None, or a :class:`ReplayBudget` from one or an int number of bytes >= 0."""
+    if replay_budget is None or isinstance(replay_budget, ReplayBudget):
+        return replay_budget
     if isinstance(replay_budget, bool) or not isinstance(replay_budget, numbers.Integral):
         raise TypeError(
-            f"torch_sac.{where}: replay_budget must be an int number of bytes or None, "
-            f"got {replay_budget!r}")
+            f"torch_sac.{where}: replay_budget must be an int number of bytes, a "
+            f"torch_sac.ReplayBudget or None, got {replay_budget!r}")
     if replay_budget < 0:
         raise ValueError(f"torch_sac.{where}: replay_budget must be >= 0 bytes, got {replay_budget}")
-    return int(replay_budget)
+    return ReplayBudget(int(replay_budget))
 
 
 class sac_context:
@@ -151,8 +176,8 @@ class sac_context:
             self._region.push_policy(self._policy)
             self._exits = [self._region.pop_policy]
         else:
-            budget = -1 if self._replay_budget is None else self._replay_budget
-            self._region = _C.Region(self._policy, self._allow, budget)
+            budget = () if self._replay_budget is None else self._replay_budget
+            self._region = _C.Region(self._policy, self._allow, *budget)
             if self._replay_schedule is not None:
                 self._region.set_replay_schedule(self._replay_schedule._steps())
             self._owner = True

@@ -112,9 +112,10 @@ PYBIND11_MODULE(_C, m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   py::class_<SavedActivationHandle>(m, "SavedActivation");
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
-      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t>(), py::arg("policy"),
+      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool>(), py::arg("policy"),
            py::arg("allow_cache_entry_mutation"),
-           py::arg("replay_budget") = region::Region::kNoReplayBudget)
+           py::arg("replay_budget") = region::Region::kNoReplayBudget,
+           py::arg("budget_counts_saved") = false)
       .def("push_policy", &region::Region::push_policy, NoGil())
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
@@ -172,6 +173,9 @@ PYBIND11_MODULE(_C, m) {
         d["memo_bytes"] = s.memo_bytes;
         d["peak_memo_bytes"] = s.peak_memo_bytes;
         d["memos_skipped"] = s.memos_skipped;
+        d["peak_held_bytes"] = s.peak_held_bytes;
+        d["budget_choice_ns"] = s.budget_choice_ns;
+        d["spaced_choices"] = s.spaced_choices;
         return d;
       })
       .def("set_replay_schedule", [](region::Region& self,

@@ -54,6 +54,9 @@ struct SacOptions {
   // that do not fit are rebuilt again when needed (multiple recomputation).
   // Negative: no budget. See docs/design.md, "Replay budget".
   int64_t replay_budget = -1;
+  // The budget also counts outputs the policy kept in forward that are still
+  // alive (a plan whose forward keeps checkpoints the budget then reuses).
+  bool replay_budget_counts_saved = false;
 };
 
 // What a region recorded, readable after the SacContext that recorded it is

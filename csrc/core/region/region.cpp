@@ -61,15 +61,20 @@ const char* first_unrecordable(c10::ArrayRef<c10::IValue> values) {
 Region::Region(
     std::shared_ptr<OpPolicy> policy,
     bool allow_cache_entry_mutation,
-    int64_t replay_budget)
+    int64_t replay_budget,
+    bool budget_counts_saved)
     : allow_cache_entry_mutation_(allow_cache_entry_mutation),
       replay_budget_(replay_budget),
+      budget_counts_saved_(budget_counts_saved),
       records_(!recording_disabled()) {
   TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
   TORCH_CHECK_VALUE(
       replay_budget >= 0 || replay_budget == kNoReplayBudget,
       "torch_sac: sac_context's replay_budget must be a number of bytes >= 0 (or None for no "
       "budget), got ", replay_budget);
+  TORCH_CHECK_VALUE(
+      !budget_counts_saved || replay_budget != kNoReplayBudget,
+      "torch_sac: a replay budget that counts saved outputs needs a number of bytes");
   policies_.push_back(std::move(policy));
 }
 

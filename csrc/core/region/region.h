@@ -106,6 +106,14 @@ struct RegionStats {
   // Rebuilt tensors autograd still needed that the replay budget did not let
   // the region keep: each is rebuilt again when unpacked.
   int64_t memos_skipped = 0;
+  // With a budget that counts saved outputs: the most the region held at the
+  // end of a replay, rebuilt tensors plus live outputs the policy kept.
+  int64_t peak_held_bytes = 0;
+  // Time the replay budget spent choosing what to keep, and how many of its
+  // choices used the spaced heuristic rather than the optimal reversal of a
+  // chain (replay_budget.h).
+  int64_t budget_choice_ns = 0;
+  int64_t spaced_choices = 0;
 };
 
 struct RegionOpSummary {
@@ -124,8 +132,13 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // No replay budget: every rebuilt tensor autograd will unpack later in
   // this backward is kept until then.
   static constexpr int64_t kNoReplayBudget = -1;
+  // `budget_counts_saved`: the replay budget bounds rebuilt tensors plus the
+  // outputs the policy kept in forward that are still alive, so the room a
+  // kept checkpoint leaves when backward is past it goes to rebuilds (a
+  // forward that keeps the first sweep of an optimal reversal; see
+  // torch_sac/_peak_plan.py).
   Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation,
-         int64_t replay_budget = kNoReplayBudget);
+         int64_t replay_budget = kNoReplayBudget, bool budget_counts_saved = false);
 
   // OpHandler: records the op (forward only, while open).
   void handle(
@@ -300,13 +313,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // rebuild and records it in executed_.
   std::optional<std::unordered_set<int32_t>> memos_allowed(const ReplayPlan& plan, int32_t target);
   std::unordered_set<int32_t> memos_within_budget(
-      const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) const;
+      const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates);
   std::unordered_set<int32_t> memos_scheduled(
       int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const;
   ExecutedKey executed_key_of(int32_t storage) const;
   TensorKey key_of(int32_t storage) const;
   std::string describe_key(const TensorKey& key) const;
   int64_t strong_memo_bytes() const;
+  // What the replay budget bounds: rebuilt tensors held, plus (when it
+  // counts them) live outputs the policy kept.
+  int64_t budgeted_bytes() const;
   // After a rebuild: the schedule's releases, or under a replay budget, lets
   // go of other rebuilt tensors until what the region holds fits (the one
   // just rebuilt for autograd stays held). Records what it released.
@@ -329,6 +345,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
   bool allow_cache_entry_mutation_;
   const int64_t replay_budget_;
+  const bool budget_counts_saved_;
   // False when the region was entered with grad off or in inference mode:
   // no graph is built, so nothing is recorded.
   const bool records_;

@@ -262,6 +262,9 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
   memoise(storage, result, state);
   release_after_rebuild(storage);
   stats_.peak_memo_bytes = std::max(stats_.peak_memo_bytes, strong_memo_bytes());
+  if (budget_counts_saved_) {
+    stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, budgeted_bytes());
+  }
   return result.storage();
 }
 
@@ -296,7 +299,7 @@ void Region::release_after_rebuild(int32_t target) {
     std::sort(held.begin(), held.end(), [&](int32_t a, int32_t b) {
       return storages_[a].producer < storages_[b].producer;
     });
-    int64_t bytes = strong_memo_bytes();
+    int64_t bytes = budgeted_bytes();
     for (int32_t s : held) {
       if (bytes <= replay_budget_) {
         break;
@@ -334,7 +337,10 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
   if (schedule_) {
     allowed = memos_scheduled(target, candidates, rebuild);
   } else if (replay_budget_ != kNoReplayBudget) {
+    const auto start = std::chrono::steady_clock::now();
     allowed = memos_within_budget(plan, target, candidates);
+    stats_.budget_choice_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - start).count();
   }
   ExecutedStep step{executed_key_of(target), {}, {}};
   for (int32_t s : candidates) {
@@ -414,7 +420,7 @@ std::unordered_set<int32_t> Region::memos_scheduled(
 }
 
 std::unordered_set<int32_t> Region::memos_within_budget(
-    const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) const {
+    const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) {
   const std::unordered_set<int32_t> is_candidate(candidates.begin(), candidates.end());
   const auto m = static_cast<int32_t>(plan.entries.size());
   // Where each storage the plan rebuilds is made and last read in it.
@@ -468,7 +474,7 @@ std::unordered_set<int32_t> Region::memos_within_budget(
     }
   }
   // The tensor being rebuilt is returned to autograd, and counts.
-  const int64_t free_bytes = replay_budget_ - strong_memo_bytes() - storages_[target].nbytes;
+  const int64_t free_bytes = replay_budget_ - budgeted_bytes() - storages_[target].nbytes;
   std::unordered_set<int32_t> allowed;
   // What the unpacks right after this one need: the candidates past the
   // last cut.
@@ -479,6 +485,9 @@ std::unordered_set<int32_t> Region::memos_within_budget(
     }
   }
   const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes, tail_bytes);
+  if (!cuts.empty() && free_bytes > 0 && !uses_optimal_reversal(cuts)) {
+    ++stats_.spaced_choices;
+  }
   if (!chosen.empty()) {
     // Sweep again, collecting what crosses each chosen cut.
     std::unordered_set<int32_t> live;
@@ -552,6 +561,20 @@ int64_t Region::strong_memo_bytes() const {
   int64_t bytes = 0;
   for (int32_t s : memoised_) {
     bytes += storages_[s].memo.strong_bytes();
+  }
+  return bytes;
+}
+
+int64_t Region::budgeted_bytes() const {
+  int64_t bytes = strong_memo_bytes();
+  if (budget_counts_saved_) {
+    // A kept output is alive while autograd (or the region, for replays)
+    // still holds it; its record pins the address, not the memory.
+    for (const StorageRecord& record : storages_) {
+      if (record.producer >= 0 && !record.replayable && !record.identity.expired()) {
+        bytes += record.nbytes;
+      }
+    }
   }
   return bytes;
 }

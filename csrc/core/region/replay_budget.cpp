@@ -116,7 +116,19 @@ std::vector<size_t> optimal_first_sweep(size_t cuts, size_t slots) {
   return picked;
 }
 
+bool by_bytes(const ReplayCut& a, const ReplayCut& b) {
+  return a.bytes < b.bytes;
+}
+
 } // namespace
+
+bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts) {
+  if (cuts.empty() || cuts.size() >= kMaxOptimalSteps) {
+    return false;
+  }
+  const auto [smallest, largest] = std::minmax_element(cuts.begin(), cuts.end(), by_bytes);
+  return smallest->bytes > 0 && largest->bytes - smallest->bytes <= smallest->bytes / 8;
+}
 
 std::vector<size_t> choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
@@ -124,15 +136,13 @@ std::vector<size_t> choose_checkpoints(
   if (cuts.empty() || total_cost <= 0 || free_bytes <= 0) {
     return {};
   }
-  const auto [smallest, largest] = std::minmax_element(
-      cuts.begin(), cuts.end(), [](const ReplayCut& a, const ReplayCut& b) { return a.bytes < b.bytes; });
-  if (smallest->bytes > 0 && largest->bytes - smallest->bytes <= smallest->bytes / 8 &&
-      cuts.size() < kMaxOptimalSteps) {
+  if (uses_optimal_reversal(cuts)) {
     // One size (a chain of equal steps, a transformer's residual stream):
     // the optimal reversal, counting in steps between cuts, with what is
     // free after the tail the next unpacks need.
+    const int64_t largest = std::max_element(cuts.begin(), cuts.end(), by_bytes)->bytes;
     const int64_t for_cuts = free_bytes - tail_bytes;
-    const size_t slots = for_cuts <= 0 ? 1 : 1 + static_cast<size_t>(for_cuts / largest->bytes);
+    const size_t slots = for_cuts <= 0 ? 1 : 1 + static_cast<size_t>(for_cuts / largest);
     return optimal_first_sweep(cuts.size(), slots);
   }
   // The most windows whose cuts fit in half of what is free (a binary

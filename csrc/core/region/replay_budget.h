@@ -50,6 +50,10 @@ struct ReplayCut {
 //    with what is free after the tail.
 //  * Otherwise, spaced: at most half of free_bytes (all of it for a single
 //    cut when none fits in half).
+// Whether choose_checkpoints takes the optimal-reversal path for these cuts
+// (cuts of one size, few enough for the table); otherwise it spaces them.
+bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts);
+
 std::vector<std::size_t> choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
     int64_t tail_bytes = 0);
