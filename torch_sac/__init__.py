@@ -13,15 +13,18 @@ from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .profiler import profile
-from .region import checkpoint, sac_context
+from ._peak_plan import PeakPlan
+from .region import ReplayBudget, checkpoint, sac_context
 from .schedule import RebuildStep, ReplaySchedule, TensorKey
 from .scopes import name
 from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
 
 __all__ = [
     "IGNORED_OPS",
+    "PeakPlan",
     "Policy",
     "RebuildStep",
+    "ReplayBudget",
     "ReplaySchedule",
     "TensorKey",
     "adapter",

@@ -462,8 +462,8 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
     return BudgetPolicy(profile, cost, budget_bytes, solution, fraction)
 
 
-def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="auto", repeats=3,
-           max_states=None, modules=None, **example_kwargs):
+def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="time",
+           solver="auto", repeats=3, max_states=None, modules=None, **example_kwargs):
     r"""A policy that keeps as much recompute away as a memory budget allows.
 
     Runs ``fn(*example_args)`` once (a profiling forward, grad enabled) and
@@ -495,7 +495,16 @@ def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="au
         fraction (float): the budget as a fraction of the region's
             un-checkpointed activation memory (the distinct storages autograd
             saves for backward without checkpointing, measured in the
-            profiling forward). Pass exactly one of ``bytes`` and ``fraction``.
+            profiling forward).
+        peak_bytes (int): plan for the measured peak of forward *and*
+            backward instead, with multiple recomputation: returns a
+            :class:`~torch_sac.PeakPlan` choosing what forward keeps and the
+            replay budget backward runs under, for ``fn`` as one region (a
+            whole model: no blocks to choose). ``fn`` runs forward and
+            backward several times while planning (gradients via
+            ``autograd.grad``: no ``.grad`` is left behind); see
+            :class:`~torch_sac.PeakPlan` and docs/design.md, "Peak plans".
+            Pass exactly one of ``bytes``, ``fraction`` and ``peak_bytes``.
         cost (str): ``"time"`` (default): each op's measured time, the median
             of the call and ``repeats`` replays of it (ops that mutate or draw
             random numbers are timed once); ``"flops"``: FLOPs from
@@ -552,6 +561,14 @@ def budget(fn, *example_args, bytes=None, fraction=None, cost="time", solver="au
     where = "policies.budget"
     if not callable(fn):
         raise TypeError(f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})")
+    if peak_bytes is not None:
+        if bytes is not None or fraction is not None or modules is not None:
+            raise ValueError(
+                f"torch_sac.{where}: peak_bytes plans fn as one region: pass it without bytes, "
+                "fraction or modules")
+        from ._peak_plan import plan_for_peak  # it runs regions, which import policies
+
+        return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)
     _check_budget(bytes, fraction, where)
     _check_choice(cost, _COSTS, "cost", where)
     _check_choice(solver, _SOLVERS, "solver", where)

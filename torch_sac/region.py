@@ -87,13 +87,17 @@ class sac_context:
         policy: a callable ``policy(ctx, op, *args, **kwargs)`` with PyTorch's
             signature returning :class:`torch_sac.Policy`,
             :class:`torch.utils.checkpoint.CheckpointPolicy` or a bool; a
-            list of ops to save (OpOverloads or OpOverloadPackets); or a
-            built-in from :mod:`torch_sac.policies`.
+            list of ops to save (OpOverloads or OpOverloadPackets); a
+            built-in from :mod:`torch_sac.policies`; or a
+            :class:`~torch_sac.PeakPlan` (``policies.budget(...,
+            peak_bytes=...)``), which brings its replay budget too.
         allow_cache_entry_mutation (bool): an output the policy saved that a
             replay needs, modified in place after use, raises by default;
             ``True`` lets the replay use the modified value.
-        replay_budget (int, optional): at most this many bytes of rebuilt
-            tensors held by the region during backward. By default a replay
+        replay_budget (int or torch_sac.ReplayBudget, optional): at most
+            this many bytes of rebuilt tensors held by the region during
+            backward (a :class:`ReplayBudget` with ``counts_saved=True``
+            counts the live outputs the policy kept, too). By default a replay
             keeps every tensor it rebuilds that autograd will unpack later;
             with a budget it keeps evenly spaced checkpoints and the tensors
             needed next, and rebuilds the others again when they are
@@ -145,6 +149,13 @@ class sac_context:
                 "torch_sac.sac_context: allow_cache_entry_mutation must be a bool, "
                 f"got {allow_cache_entry_mutation!r}"
             )
+        from ._peak_plan import PeakPlan  # it runs regions itself
+
+        if isinstance(policy, PeakPlan):
+            # A plan brings its own replay budget; one given here overrides it.
+            if replay_budget is None and replay_schedule is None:
+                replay_budget = policy.replay_budget
+            policy = policy.policy()
         self._policy = as_op_policy(policy, "sac_context")
         self._allow = allow_cache_entry_mutation
         self._replay_budget = _check_replay_budget(replay_budget, "sac_context")

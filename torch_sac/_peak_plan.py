@@ -1,0 +1,355 @@
+"""Plans for a peak: what forward keeps and what backward rebuilds, so that one
+region's measured forward+backward peak stays under a budget with as little
+recompute as possible (multiple recomputation).
+
+The plans: a region whose backward runs under ``ReplayBudget(B,
+counts_saved=True)`` and whose forward keeps what the *first* rebuild of a
+recompute-everything region would keep under the same budget. Reversing a
+chain with ``s`` slots, the optimal schedule (Revolve's recursion) starts
+with a sweep from the input to the end that leaves checkpoints on the way;
+here forward is that sweep, so it costs no recompute, and each later rebuild
+continues the recursion with the room the checkpoints behind it leave. For a
+chain of equal steps the recompute is then the optimum for ``B`` exactly
+(tests/python/test_peak_plan.py checks it against an independent DP and an
+exact MILP); for other graphs the region's per-rebuild choice is a heuristic
+(replay_budget.h) whose gap the tests measure.
+
+``B`` is found by measurement, not by a memory model: each candidate runs
+once with the counting allocator, and the largest ``B`` whose measured peak
+fits is kept. What the budget cannot control (parameters' gradients, the
+working set of one replay, the outputs) is in every measured peak, so it is
+accounted for without being modelled.
+"""
+
+import json
+import time
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import _C, memory
+from ._op_profile import format_bytes
+from .region import ReplayBudget, sac_context
+from .schedule import ReplaySchedule, _call
+
+__all__ = ["PeakPlan", "plan_for_peak"]
+
+FORMAT = "torch_sac.peak_plan/1"
+
+# Candidate budgets measured at most (each is two runs of fn: the
+# recompute-everything run that shows the first sweep, and the plan's run).
+_MAX_CANDIDATES = 8
+
+
+class PeakPlan:
+    """What forward keeps and how backward rebuilds under a peak budget.
+
+    Made by :func:`torch_sac.policies.budget` with ``peak_bytes``; run it with
+    ``with torch_sac.sac_context(plan):`` (or ``torch_sac.checkpoint(fn, x,
+    policy=plan)``), which applies both its forward policy and its replay
+    budget.
+
+    Attributes:
+        peak_bytes: the budget asked for.
+        measured_peak: the forward+backward peak the plan ran at when planned
+            (bytes allocated above the level before the call: activations,
+            rebuilt tensors, gradients, the outputs).
+        no_checkpoint_peak: the same without checkpointing.
+        replay_budget: the :class:`torch_sac.ReplayBudget` backward runs
+            with (``None``: nothing is dropped).
+        saved: ``[(op, call_index)]`` forward keeps (``None``: every call).
+        schedule: the :class:`torch_sac.ReplaySchedule` of the planned run
+            (what each rebuild kept and released).
+        recomputed_ops, recompute_seconds: replays in the planned run.
+        forward_seconds: one forward without checkpointing, for scale.
+        replays_by_op: ``{op: [replays of each call]}`` in the planned run.
+        solver: ``"none needed"`` (fits without checkpointing),
+            ``"optimal reversal"`` (every rebuild chose by the optimal
+            reversal of a chain of equal steps) or ``"spaced heuristic"``.
+        optimal: whether no schedule in this family recomputes fewer steps
+            under ``replay_budget`` (true for the first two solvers; the
+            bound is in steps of the chain, proven by Revolve's recursion).
+        solve_seconds: time the region spent choosing what rebuilds keep.
+        measure_seconds, runs: the measured runs that found the budget.
+    """
+
+    def __init__(self, *, peak_bytes, measured_peak, no_checkpoint_peak, replay_budget, saved,
+                 schedule, recomputed_ops, recompute_seconds, forward_seconds, replays_by_op,
+                 solver, solve_seconds, measure_seconds, runs):
+        self.peak_bytes = peak_bytes
+        self.measured_peak = measured_peak
+        self.no_checkpoint_peak = no_checkpoint_peak
+        self.replay_budget = replay_budget
+        self.saved = saved
+        self.schedule = schedule
+        self.recomputed_ops = recomputed_ops
+        self.recompute_seconds = recompute_seconds
+        self.forward_seconds = forward_seconds
+        self.replays_by_op = replays_by_op
+        self.solver = solver
+        self.solve_seconds = solve_seconds
+        self.measure_seconds = measure_seconds
+        self.runs = runs
+
+    @property
+    def optimal(self):
+        return self.solver in ("none needed", "optimal reversal")
+
+    def policy(self):
+        """The forward policy: saves exactly :attr:`saved` (decided in C++)."""
+        if self.saved is None:
+            return _C.save_all()
+        return ReplaySchedule([], self.saved).policy()
+
+    def summary(self):
+        """The plan in a few numbers (a dict)."""
+        return {
+            "peak_bytes": self.peak_bytes,
+            "measured_peak": self.measured_peak,
+            "no_checkpoint_peak": self.no_checkpoint_peak,
+            "replay_budget": None if self.replay_budget is None else self.replay_budget.bytes,
+            "saved_calls": None if self.saved is None else len(self.saved),
+            "recomputed_ops": self.recomputed_ops,
+            "recompute_seconds": self.recompute_seconds,
+            "forward_seconds": self.forward_seconds,
+            "solver": self.solver,
+            "optimal": self.optimal,
+            "solve_seconds": self.solve_seconds,
+            "measure_seconds": self.measure_seconds,
+            "runs": self.runs,
+        }
+
+    def table(self, max_rows=20):
+        """The plan as text: the peak against the budget, then per op how
+        many calls forward keeps and how often backward recomputes them."""
+        saved_by_op = {}
+        for op, _ in self.saved or ():
+            saved_by_op[op] = saved_by_op.get(op, 0) + 1
+        ratio = (self.recompute_seconds / self.forward_seconds) if self.forward_seconds else 0.0
+        lines = [
+            f"peak plan: measured peak {format_bytes(self.measured_peak)} under "
+            f"{format_bytes(self.peak_bytes)} (no checkpointing: "
+            f"{format_bytes(self.no_checkpoint_peak)})",
+            f"  backward holds at most {format_bytes(self.replay_budget.bytes)} of kept and "
+            f"rebuilt tensors" if self.replay_budget else "  nothing dropped",
+            f"  recompute: {self.recomputed_ops} op replays, {self.recompute_seconds * 1e3:.2f} ms "
+            f"({ratio:.2f}x one forward)",
+            f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
+            f"{self.solve_seconds * 1e3:.2f} ms; {self.runs} measured runs, "
+            f"{self.measure_seconds:.2f} s",
+        ]
+        rows = []
+        for op, replays in self.replays_by_op.items():
+            rows.append((op, saved_by_op.get(op, 0), len(replays), sum(replays), max(replays, default=0)))
+        rows.sort(key=lambda r: (-r[3], r[0]))
+        if rows:
+            lines.append(f"  {'op':<40} {'calls':>6} {'kept':>6} {'replays':>8} {'most/call':>10}")
+            for op, kept, calls, replays, most in rows[:max_rows]:
+                lines.append(f"  {op:<40} {calls:>6} {kept:>6} {replays:>8} {most:>10}")
+            if len(rows) > max_rows:
+                rest = rows[max_rows:]
+                lines.append(f"  ... {len(rest)} more ops, {sum(r[3] for r in rest)} replays")
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return {
+            "format": FORMAT,
+            **{k: v for k, v in self.summary().items() if k not in ("saved_calls", "optimal")},
+            "replay_budget": None if self.replay_budget is None else list(self.replay_budget),
+            "saved": None if self.saved is None else [list(c) for c in self.saved],
+            "schedule": self.schedule.to_dict(),
+            "replays_by_op": self.replays_by_op,
+        }
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"torch_sac.PeakPlan.from_dict: not a {FORMAT} dict (format {found!r})")
+        fields = {k: data[k] for k in (
+            "peak_bytes", "measured_peak", "no_checkpoint_peak", "recomputed_ops",
+            "recompute_seconds", "forward_seconds", "replays_by_op", "solver", "solve_seconds",
+            "measure_seconds", "runs")}
+        budget = data["replay_budget"]
+        saved = data["saved"]
+        return cls(**fields,
+                   replay_budget=None if budget is None else ReplayBudget(*budget),
+                   saved=None if saved is None else [_call(c) for c in saved],
+                   schedule=ReplaySchedule.from_dict(data["schedule"]))
+
+    def save(self, path):
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def __repr__(self):
+        return (f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
+                f"{format_bytes(self.peak_bytes)}, {self.recomputed_ops} op replays, {self.solver}>")
+
+
+class _Run:
+    """One measured forward+backward of fn."""
+
+    def __init__(self, peak, seconds, forward_seconds, stats=None, schedule=None, details=()):
+        self.peak = peak
+        self.seconds = seconds
+        self.forward_seconds = forward_seconds
+        self.stats = stats or {}
+        self.schedule = schedule
+        self.details = details
+
+    def fits(self, peak_bytes):
+        return self.peak <= peak_bytes
+
+    @property
+    def replayed(self):
+        return self.stats.get("replayed_ops", 0)
+
+
+def _graph_leaves(outputs):
+    """The tensors gradients accumulate into, found from the outputs' graph:
+    backward computes theirs with ``autograd.grad``, so planning leaves no
+    ``.grad`` behind."""
+    leaves, seen, stack = {}, set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def _device_of(args, kwargs):
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _measure(fn, args, kwargs, where, policy=None, replay_budget=None):
+    device = _device_of(args, kwargs)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    region = None
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad(), memory.track(device) as m:
+        start = time.perf_counter()
+        if policy is None:
+            out = fn(*args, **kwargs)
+        else:
+            with sac_context(policy, replay_budget=replay_budget) as region:
+                out = fn(*args, **kwargs)
+        forward_seconds = time.perf_counter() - start
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            raise ValueError(
+                f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
+                "to plan; call it with inputs or parameters that require grad")
+        del out
+        leaves = _graph_leaves(outputs)
+        torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs],
+                            allow_unused=True)
+        del outputs
+        seconds = time.perf_counter() - start
+    if region is None:
+        return _Run(m.peak, seconds, forward_seconds)
+    return _Run(m.peak, seconds, forward_seconds, region.stats(), region.replay_schedule(),
+                region.op_details())
+
+
+def _first_sweep(schedule):
+    """The calls whose outputs the first rebuild kept, and the one it was for."""
+    if not schedule.rebuilds:
+        return []
+    first = schedule.rebuilds[0]
+    return sorted({(k.op, k.call_index) for k in (first.unpacked, *first.keep)})
+
+
+def plan_for_peak(fn, args, kwargs, peak_bytes, where):
+    """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
+    from .policies import recompute_all  # policies imports this module
+
+    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, int) or peak_bytes <= 0:
+        raise ValueError(f"torch_sac.{where}: peak_bytes must be an int > 0, got {peak_bytes!r}")
+    measured = []
+
+    def run(policy=None, budget=None):
+        r = _measure(fn, args, kwargs, where, policy, budget)
+        measured.append(r)
+        return r
+
+    plain = run()
+    if plain.fits(peak_bytes):
+        return _plan(peak_bytes, plain, plain, None, None, "none needed", measured)
+    # The largest budget whose plan fits. The peak moves by about as much as
+    # the budget does (in steps of the tensors kept), so step by the gap
+    # until the budget is bracketed, then bisect.
+    best = None
+    fits_at, fails_at = None, None
+    budget = peak_bytes // 2
+    resolution = max(peak_bytes // 128, 1)
+    for _ in range(_MAX_CANDIDATES):
+        sweep = run(recompute_all(), ReplayBudget(budget, counts_saved=True))
+        saved = _first_sweep(sweep.schedule)
+        planned = run(ReplaySchedule([], saved).policy(), ReplayBudget(budget, counts_saved=True))
+        for candidate, kept in ((planned, saved), (sweep, [])):
+            if candidate.fits(peak_bytes) and (best is None or _better(candidate, best[0])):
+                best = (candidate, kept, budget)
+        if planned.fits(peak_bytes):
+            fits_at = budget if fits_at is None else max(fits_at, budget)
+        else:
+            fails_at = budget if fails_at is None else min(fails_at, budget)
+        if fits_at is not None and fails_at is not None:
+            if fails_at - fits_at <= resolution:
+                break
+            budget = (fits_at + fails_at) // 2
+        else:
+            gap = peak_bytes - planned.peak
+            if fits_at is not None and gap <= resolution:
+                break
+            # The peak is flat until the budget holds one more tensor: step
+            # by at least an eighth of the budget.
+            step = max(abs(gap), budget // 8, resolution)
+            budget = max(budget + (step if gap > 0 else -step), 0)
+            if fails_at == 0:
+                break
+    if best is None:
+        floor = run(recompute_all(), ReplayBudget(0, counts_saved=True))
+        if not floor.fits(peak_bytes):
+            raise ValueError(
+                f"torch_sac.{where}: peak_bytes={peak_bytes} ({format_bytes(peak_bytes)}) is "
+                f"below the least peak a region reaches here: {floor.peak} bytes "
+                f"({format_bytes(floor.peak)}) recomputing everything and holding only the "
+                f"tensor handed over (without checkpointing: {format_bytes(plain.peak)}). "
+                "Raise peak_bytes, or shrink what the budget cannot control (batch size, "
+                "gradients, the outputs).")
+        best = (floor, [], 0)
+    run_, saved, budget = best
+    solver = "spaced heuristic" if run_.stats.get("spaced_choices", 0) else "optimal reversal"
+    return _plan(peak_bytes, plain, run_, saved, ReplayBudget(budget, counts_saved=True), solver,
+                 measured)
+
+
+def _better(a, b):
+    """Fewer replays (then less replay time) is better."""
+    return (a.replayed, a.stats.get("replay_ns", 0)) < (b.replayed, b.stats.get("replay_ns", 0))
+
+
+def _plan(peak_bytes, plain, run, saved, budget, solver, measured):
+    replays = {row["op"]: list(row.get("replays_by_call", ())) for row in run.details}
+    schedule = run.schedule if run.schedule is not None else ReplaySchedule([])
+    return PeakPlan(
+        peak_bytes=peak_bytes, measured_peak=run.peak, no_checkpoint_peak=plain.peak,
+        replay_budget=budget, saved=saved, schedule=schedule,
+        recomputed_ops=run.replayed, recompute_seconds=run.stats.get("replay_ns", 0) / 1e9,
+        forward_seconds=plain.forward_seconds,
+        replays_by_op={op: r for op, r in replays.items() if any(r)},
+        solver=solver, solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
+        measure_seconds=sum(r.seconds for r in measured), runs=len(measured))
