@@ -506,7 +506,9 @@ class profile:
             regions.append({
                 "index": index,
                 "engine": r["engine"],
-                "replay_budget": r["replay_budget"],
+                "replay_budget": None if r["replay_budget"] is None else r["replay_budget"].bytes,
+                "replay_budget_counts_saved": (
+                    r["replay_budget"] is not None and r["replay_budget"].counts_saved),
                 "enter_sample": enter,
                 "exit_sample": exit_,
                 "forward_delta_bytes": (
@@ -926,11 +928,15 @@ def _plot_timelines(ax, curves, highlight):
         fe = data["forward_end"]
         if fe is not None:
             ax.axvline(t_ms[fe["sample"]], color=line.get_color(), ls=":", lw=1)
-            budgets = [r.get("replay_budget") for r in data["regions"]]
-            budgets = [b for b in budgets if b is not None]
+            # Rebuilt tensors held in backward stay under the budgets: above
+            # what forward left, memory for them stays below this. A budget
+            # that counts saved outputs includes what its region left.
+            budgets = [
+                max(r["replay_budget"] - (r.get("forward_delta_bytes") or 0), 0)
+                if r.get("replay_budget_counts_saved") else r["replay_budget"]
+                for r in data["regions"] if r.get("replay_budget") is not None
+            ]
             if budgets:
-                # Rebuilt tensors held in backward stay under the budgets:
-                # above what forward left, memory for them stays below this.
                 level = tl["bytes"][fe["sample"]] + sum(budgets)
                 ax.axhline(level / 2**20, color=line.get_color(), ls="--", lw=1,
                            label=f"{name}: forward end + replay budget")

@@ -21,7 +21,7 @@
 #include <utility>
 
 #include "csrc/api/autograd_hooks.h"
-#include "csrc/api/flop_count.h"
+#include "csrc/core/flop_count.h"
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/interceptor.h"
 #include "csrc/core/ivalue_tensors.h"

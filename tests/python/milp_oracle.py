@@ -71,7 +71,3 @@ def chain_deps(length):
     """x_i = f(x_{i-1})."""
     return [[]] + [[i - 1] for i in range(1, length + 1)]
 
-
-def skip_deps(length):
-    """x_i = f(x_{i-1}, x_{i-2}): every step also reads the one before last."""
-    return [[]] + [[i - 1] + ([i - 2] if i >= 2 else []) for i in range(1, length + 1)]

@@ -15,6 +15,7 @@
 #include "csrc/core/tensor_version.h"
 #include "csrc/core/replay_guard.h"
 #include "csrc/core/written_args.h"
+#include "replay_cost.h"
 
 namespace torch_sac::region {
 namespace {
@@ -408,7 +409,9 @@ void Region::handle(
   ++stats_.policy_calls;
   const auto entry_index = static_cast<int32_t>(entries_.size());
   Entry entry{op, op_index, call_index};
-  entry.cost_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(run_end - run_start).count();
+  if (replay_budget_ != kNoReplayBudget) {
+    entry.replay_cost = estimated_replay_cost(op, inputs, outputs);
+  }
   if (!recordable || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.

@@ -214,7 +214,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<int32_t> writes;  // region storages it wrote to
     std::optional<RngSnapshot> rng;
     NumericsState numerics;  // default dtype etc. when recorded
-    int64_t cost_ns = 0;     // the op's time in forward: its replay cost
+    double replay_cost = 0;  // estimated_replay_cost, when a budget weighs it
   };
 
   struct StorageRecord {

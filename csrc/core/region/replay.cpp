@@ -430,8 +430,7 @@ std::unordered_set<int32_t> Region::memos_within_budget(
   double cost = 0;
   for (int32_t i = 0; i < m; ++i) {
     const Entry& entry = entries_[plan.entries[i]];
-    // Every replayed op costs something, even one too fast to time.
-    cost += static_cast<double>(std::max<int64_t>(entry.cost_ns, 1));
+    cost += entry.replay_cost;
     cost_through[i] = cost;
     for (const ArgSlot& slot : entry.slots) {
       if (!slot.held.defined() && made_at.count(slot.storage)) {

@@ -1,8 +1,8 @@
-#include "csrc/api/flop_count.h"
+#include "csrc/core/flop_count.h"
 
 #include <string>
 
-namespace torch_sac::api {
+namespace torch_sac {
 namespace {
 
 c10::IntArrayRef shape(const c10::IValue& v) {
@@ -71,4 +71,4 @@ double count_flops(
   return 0;
 }
 
-} // namespace torch_sac::api
+} // namespace torch_sac

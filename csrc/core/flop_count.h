@@ -6,7 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
-namespace torch_sac::api {
+namespace torch_sac {
 
 // 0 for ops not counted and for arguments the formulas do not fit.
 double count_flops(
@@ -14,4 +14,4 @@ double count_flops(
     c10::ArrayRef<c10::IValue> inputs,
     c10::ArrayRef<c10::IValue> outputs);
 
-} // namespace torch_sac::api
+} // namespace torch_sac
