@@ -12,7 +12,11 @@ training step each (forward + backward), variants:
       largest replay budget whose step peaks at most at (c)'s peak (found by
       bisection on measured peaks);
   (e) the same at half of (c)'s peak (when the region with a zero budget
-      fits under it).
+      fits under it);
+  (f) torch_sac.policies.budget(step, peak_bytes=...) at (c)'s peak and at
+      half of it: the peak plan (forward keeps the first sweep of the
+      optimal reversal, backward runs under a budget counting it), run as
+      planned: one sac_context(plan) around the whole step.
 
 Printed per variant: the step's peak tensor memory above its start (MiB),
 relative to (c); recomputed FLOPs as a multiple of one forward (PyTorch:
@@ -24,6 +28,11 @@ Part 2, the gap to the optimum: a chain x_i = tanh(linear_i(x_{i-1})) whose
 steps each save one tensor of one size, in one region with a budget of k
 such tensors; the tanh replays are compared with the fewest steps any
 schedule needs (tests/python/chain_oracle.py, an exact dynamic program).
+
+Part 3, the planner's solve time: chains of MLP blocks (16, 64, 256 blocks,
+and ~2,000 op calls), a peak plan at 40% of the no-checkpointing peak: the
+time the region spent choosing what rebuilds keep in the planned step (the
+solve: the search over budgets is measured runs, printed separately).
 
 Usage::
 
@@ -91,12 +100,29 @@ def run_variant(variant, blocks, x, budget=None):
             out = checkpoint(block, out, use_reentrant=False)
     elif variant == "c":
         out = checkpoint_sequential(blocks, round(math.sqrt(n)), xin, use_reentrant=False)
+    elif variant == "f":
+        with torch_sac.sac_context(budget) as region:  # a PeakPlan
+            out = blocks(xin).square().mean()
+        out.backward()
+        return region
     else:
         with torch_sac.sac_context(torch_sac.policies.recompute_all(),
                                    replay_budget=budget) as region:
             out = blocks(xin)
     out.square().mean().backward()
     return region
+
+
+def peak_plan(blocks, x, target_peak):
+    """A PeakPlan for the step under ``target_peak``, or the error's text.
+    step() counts the input's copy, made before the planned region runs."""
+    xin = x.clone().requires_grad_()
+    torch.manual_seed(1)
+    try:
+        return torch_sac.policies.budget(lambda: blocks(xin).square().mean(),
+                                         peak_bytes=target_peak - x.numel() * x.element_size())
+    except ValueError as e:
+        return str(e)
 
 
 def step(variant, blocks, x, budget=None, flops=False):
@@ -191,6 +217,12 @@ def chains(args):
                     continue
                 variants.append(("d", f"({label}) region recompute_all, budget {budget / MiB:.2f} MiB",
                                  budget))
+            for target, what in ((peak_c, "(c)'s peak"), (peak_c // 2, "half (c)'s peak")):
+                plan = peak_plan(blocks, x, target)
+                if isinstance(plan, str):
+                    print(f"{kind:<8} {n:>3}  (f) peak plan at {what}: {plan.split(': ', 1)[1][:90]}")
+                    continue
+                variants.append(("f", f"(f) peak plan at {what}", plan))
             times = {name: [] for _, name, _ in variants}
             for _ in range(args.rounds):
                 for v, name, budget in variants:
@@ -200,7 +232,7 @@ def chains(args):
             for v, name, budget in variants:
                 # Peaks without FlopCounterMode, which holds tensors of its own.
                 peak, _, region, grads = step(v, blocks, x, budget)
-                if v == "d":
+                if v in "df":
                     recompute = replayed_flops(region, blocks, x)
                 else:
                     recompute = step(v, blocks, x, flops=True)[1] - bwd_a
@@ -241,6 +273,36 @@ def gap(args):
     print(f"worst ratio to the optimum: {worst:.2f}")
 
 
+def solve_times(args):
+    print()
+    print("Part 3: the peak planner's solve time (MLP blocks, dim 16, plan at 40% of the "
+          "no-checkpointing peak)")
+    header = (f"{'blocks':>6} {'op calls':>9} {'solve ms':>9} {'solver':<17} {'runs':>5} "
+              f"{'planning s':>10} {'peak / budget':>13}")
+    print(header)
+    print("-" * len(header))
+    sizes = (16, 64) if args.quick else (16, 64, 256, 286)
+    for n in sizes:
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[MLPBlock(16) for _ in range(n)])
+        x = torch.randn(64, 16)
+        xin = x.clone().requires_grad_()
+
+        def fn():
+            return blocks(xin).square().mean()
+
+        plain = torch_sac.policies.budget(fn, peak_bytes=1 << 40).no_checkpoint_peak
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+            fn()
+        calls = region.stats()["policy_calls"]
+        plan = torch_sac.policies.budget(fn, peak_bytes=int(plain * 0.4))
+        print(f"{n:>6} {calls:>9} {plan.solve_seconds * 1e3:>9.2f} {plan.solver:<17} "
+              f"{plan.runs:>5} {plan.measure_seconds:>10.2f} "
+              f"{plan.measured_peak / plan.peak_bytes:>13.2f}")
+    print("solve: time the region spent choosing what each rebuild keeps in the planned step; "
+          "planning: the measured runs")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -251,6 +313,7 @@ def main():
     torch_sac.memory.install_counting_allocator()
     chains(args)
     gap(args)
+    solve_times(args)
 
 
 if __name__ == "__main__":

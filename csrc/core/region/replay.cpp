@@ -484,7 +484,9 @@ std::unordered_set<int32_t> Region::memos_within_budget(
     }
   }
   const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes, tail_bytes);
-  if (!cuts.empty() && free_bytes > 0 && !uses_optimal_reversal(cuts)) {
+  const bool any_checkpoint = std::any_of(
+      cuts.begin(), cuts.end(), [](const ReplayCut& cut) { return cut.bytes > 0; });
+  if (any_checkpoint && free_bytes > 0 && !uses_optimal_reversal(cuts)) {
     ++stats_.spaced_choices;
   }
   if (!chosen.empty()) {

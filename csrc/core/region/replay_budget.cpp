@@ -116,18 +116,33 @@ std::vector<size_t> optimal_first_sweep(size_t cuts, size_t slots) {
   return picked;
 }
 
-bool by_bytes(const ReplayCut& a, const ReplayCut& b) {
-  return a.bytes < b.bytes;
+
+// The cuts that hold something (a cut crossing only the tensor being handed
+// over costs nothing and is no checkpoint), when they are of one size
+// (within 1/8): a chain of equal steps, a transformer's residual stream.
+// Empty otherwise.
+std::vector<size_t> cuts_of_one_size(const std::vector<ReplayCut>& cuts) {
+  std::vector<size_t> holding;
+  int64_t smallest = 0;
+  int64_t largest = 0;
+  for (size_t i = 0; i < cuts.size(); ++i) {
+    if (cuts[i].bytes > 0) {
+      smallest = holding.empty() ? cuts[i].bytes : std::min(smallest, cuts[i].bytes);
+      largest = std::max(largest, cuts[i].bytes);
+      holding.push_back(i);
+    }
+  }
+  if (holding.empty() || holding.size() >= kMaxOptimalSteps ||
+      largest - smallest > smallest / 8) {
+    return {};
+  }
+  return holding;
 }
 
 } // namespace
 
 bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts) {
-  if (cuts.empty() || cuts.size() >= kMaxOptimalSteps) {
-    return false;
-  }
-  const auto [smallest, largest] = std::minmax_element(cuts.begin(), cuts.end(), by_bytes);
-  return smallest->bytes > 0 && largest->bytes - smallest->bytes <= smallest->bytes / 8;
+  return !cuts_of_one_size(cuts).empty();
 }
 
 std::vector<size_t> choose_checkpoints(
@@ -140,10 +155,18 @@ std::vector<size_t> choose_checkpoints(
     // One size (a chain of equal steps, a transformer's residual stream):
     // the optimal reversal, counting in steps between cuts, with what is
     // free after the tail the next unpacks need.
-    const int64_t largest = std::max_element(cuts.begin(), cuts.end(), by_bytes)->bytes;
+    const std::vector<size_t> chain = cuts_of_one_size(cuts);
+    int64_t largest = 0;
+    for (size_t i : chain) {
+      largest = std::max(largest, cuts[i].bytes);
+    }
     const int64_t for_cuts = free_bytes - tail_bytes;
     const size_t slots = for_cuts <= 0 ? 1 : 1 + static_cast<size_t>(for_cuts / largest);
-    return optimal_first_sweep(cuts.size(), slots);
+    std::vector<size_t> picked;
+    for (size_t k : optimal_first_sweep(chain.size(), slots)) {
+      picked.push_back(chain[k]);
+    }
+    return picked;
   }
   // The most windows whose cuts fit in half of what is free (a binary
   // search: more windows pick more bytes, up to ties).

@@ -313,6 +313,55 @@ TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
   EXPECT_GT(most, 1) << "no step was recomputed twice";
 }
 
+// The same chain, forward keeping every 4th mm's output: a budget that
+// counts those leaves less room for rebuilt tensors (more replays), holds
+// at most its bytes of both, and changes no gradient.
+TEST(CppApiReplayBudget, BudgetCountingSavedOutputsBoundsThemToo) {
+  at::manual_seed(0);
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 16; ++i) {
+    weights.push_back((at::randn({16, 16}) * 0.3).requires_grad_());
+  }
+  const at::Tensor x = at::randn({8, 16});
+  const int64_t step_bytes = 8 * 16 * 4;
+  auto run = [&](std::optional<SacOptions> options, RegionHandle* handle) {
+    std::optional<SacContext> region;
+    if (options) {
+      region.emplace(policies::every_nth({policies::op("aten::mm")}, 4), *options);
+      *handle = region->handle();
+    }
+    at::Tensor h = x;
+    for (const at::Tensor& w : weights) {
+      h = at::tanh(at::mm(h, w));
+    }
+    if (region) {
+      region->exit();
+    }
+    h.sum().backward();
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& w : weights) {
+      grads.push_back(w.grad().clone());
+      w.mutable_grad().reset();
+    }
+    return grads;
+  };
+  RegionHandle none;
+  const auto expected = run(std::nullopt, &none);
+  RegionStats stats[2];
+  for (bool counts_saved : {false, true}) {
+    SacOptions options;
+    options.replay_budget = 6 * step_bytes;
+    options.replay_budget_counts_saved = counts_saved;
+    RegionHandle handle;
+    expect_bitwise_equal(run(options, &handle), expected);
+    stats[counts_saved] = handle.stats();
+  }
+  EXPECT_EQ(stats[true].saved_bytes, 4 * step_bytes);
+  EXPECT_LE(stats[true].peak_held_bytes, 6 * step_bytes);
+  EXPECT_GT(stats[true].peak_held_bytes, stats[true].peak_memo_bytes);
+  EXPECT_GT(stats[true].replayed_ops, stats[false].replayed_ops);
+}
+
 TEST_F(CppApi, ReplayBudgetOnANestedContextRaises) {
   SacContext outer(policies::recompute_all());
   SacOptions options;
