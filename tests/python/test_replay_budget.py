@@ -362,3 +362,54 @@ def test_profile_table_has_no_most_column_without_multiple_recomputation():
             out = forward()
         out.sum().backward()
     assert "most" not in prof.table().splitlines()[1]
+
+
+def nested_model(seed=0):
+    """pre -> sub-module (4 layers) -> post, each layer tanh(linear(h))."""
+    torch.manual_seed(seed)
+    pre, post = nn.Linear(32, 32), nn.Linear(32, 32)
+    inner = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    x = torch.randn(16, 32, requires_grad=True)
+    params = [*pre.parameters(), *inner.parameters(), *post.parameters(), x]
+
+    def forward(inner_ctx=None):
+        h = torch.tanh(pre(x))
+        if inner_ctx is None:
+            h = inner(h)
+        else:
+            with inner_ctx:
+                h = inner(h)
+        return torch.tanh(post(h))
+
+    return forward, params
+
+
+def test_nested_regions_recompute_inner_ops_again_and_the_profile_shows_it():
+    # As with nested checkpoints: the outer region's rebuild runs the inner
+    # region's ops but keeps only what the outer level reads (the
+    # sub-module's output); the inner region's own tensors are rebuilt again
+    # when its backward unpacks them.
+    forward, params = nested_model()
+    want = torch.autograd.grad(forward().sum(), params)
+    peaks = {}
+    for nested in (False, True):
+        inner = torch_sac.sac_context(RECOMPUTE_ALL()) if nested else None
+        with torch_sac.profile(label="nested") as prof:
+            with torch_sac.sac_context(RECOMPUTE_ALL()) as region:
+                out = forward(inner)
+            got = torch.autograd.grad(out.sum(), params)
+        assert_bitwise(got, want)
+        (row,) = [r for r in region.op_details() if r["op"] == "aten::tanh.default"]
+        peaks[nested] = region.stats()["peak_memo_bytes"]
+        (prof_row,) = [r for r in prof.ops if r["op"] == "aten::tanh.default"]
+        if nested:
+            # tanh calls: 0 pre, 1-4 inner, 5 post (alive). The inner ones
+            # but the last (the sub-module's output, read by post) twice.
+            assert row["replays_by_call"] == [1, 2, 2, 2, 1, 0]
+            assert prof_row["most_replays"] == 2
+            assert "most" in prof.table().splitlines()[1]
+        else:
+            assert row["replays_by_call"] == [1, 1, 1, 1, 1, 0]
+            assert prof_row["most_replays"] == 1
+    assert peaks[True] < peaks[False]
+

@@ -83,12 +83,15 @@ void Region::push_policy(std::shared_ptr<OpPolicy> policy) {
   TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
   std::lock_guard<std::mutex> lock(mutex_);
   policies_.push_back(std::move(policy));
+  scope_parents_.push_back(scope_);
+  scope_ = static_cast<int32_t>(scope_parents_.size()) - 1;
 }
 
 void Region::pop_policy() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(policies_.size() > 1, "torch_sac: pop_policy without a nested region");
   policies_.pop_back();
+  scope_ = scope_parents_[scope_];
 }
 
 void Region::close() {
@@ -216,6 +219,12 @@ void Region::record_args(
     slot.element = element;
     const int32_t storage = find_storage(t);
     if (storage >= 0 && storages_[storage].replayable) {
+      StorageRecord& record = storages_[storage];
+      if (scope_ != entries_[record.producer].scope &&
+          std::find(record.reader_scopes.begin(), record.reader_scopes.end(), scope_) ==
+              record.reader_scopes.end()) {
+        record.reader_scopes.push_back(scope_);
+      }
       slot.storage = storage;
       slot.state = static_cast<int32_t>(storages_[storage].mutations.size());
       slot.geometry = TensorGeometry::of(t);
@@ -409,6 +418,7 @@ void Region::handle(
   ++stats_.policy_calls;
   const auto entry_index = static_cast<int32_t>(entries_.size());
   Entry entry{op, op_index, call_index};
+  entry.scope = scope_;
   if (replay_budget_ != kNoReplayBudget) {
     entry.replay_cost = estimated_replay_cost(op, inputs, outputs);
   }
@@ -551,6 +561,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
   ++record.live_refs;
   ++live_dropped_;
   saved.horizon = static_cast<int32_t>(entries_.size());
+  saved.scope = scope_;
   ++live_horizons_[saved.horizon];
   ++stats_.packed_dropped;
   return saved;

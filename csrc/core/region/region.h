@@ -79,6 +79,8 @@ struct SavedActivation {
   mutable int64_t unpacked_pass = -1;
   // Tape length when packed: a rebuild of it replays only earlier entries.
   int32_t horizon = 0;
+  // The nested region that saved it (the op's, not the producer's scope).
+  int32_t scope = 0;
   // The autograd graph task of its last unpack: reading it again in the
   // same backward (ctx.saved_tensors twice) is not a new backward pass.
   mutable int unpacked_task = -1;
@@ -215,6 +217,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::optional<RngSnapshot> rng;
     NumericsState numerics;  // default dtype etc. when recorded
     double replay_cost = 0;  // estimated_replay_cost, when a budget weighs it
+    int32_t scope = 0;       // the nested region it was recorded in (scope_parents_)
   };
 
   struct StorageRecord {
@@ -237,6 +240,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int32_t live_refs = 0;
     int32_t pending_unpacks = 0;
     Memo memo;                       // a rebuilt copy
+    // Scopes other than the producer's whose entries read it (nested
+    // regions only): a rebuild keeps it for those scopes' backward.
+    std::vector<int32_t> reader_scopes;
   };
 
   struct OpInfo {
@@ -297,7 +303,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::unordered_map<int32_t, std::pair<c10::Storage, int32_t>> memos;
   };
   ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
-  c10::Storage materialize(int32_t storage, int32_t state);
+  // `scope`: of the saved activation it is for (nesting_allows).
+  c10::Storage materialize(int32_t storage, int32_t state, int32_t scope);
   // A held argument must still be what the op read: same version, and its
   // storage not freed or shrunk since (FSDP2 frees unsharded parameters).
   void check_held(const ArgSlot& slot, const Entry& consumer);
@@ -311,7 +318,15 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // Which candidates this rebuild may keep: the schedule's step, the replay
   // budget's choice (replay_budget.h), or all of them (nullopt). Counts the
   // rebuild and records it in executed_.
-  std::optional<std::unordered_set<int32_t>> memos_allowed(const ReplayPlan& plan, int32_t target);
+  std::optional<std::unordered_set<int32_t>> memos_allowed(
+      const ReplayPlan& plan, int32_t target, int32_t scope);
+  // Nested regions drop their own tensors again, as nested checkpoints do:
+  // a rebuild for a tensor saved in scope T keeps a candidate only if it was
+  // made or read in T or a scope enclosing T. The others (a nested region's
+  // internals met on the way) are rebuilt when that region's backward
+  // unpacks them: multiple recomputation of the inner ops.
+  bool nesting_allows(int32_t candidate, int32_t scope) const;
+  bool encloses(int32_t outer, int32_t inner) const;
   std::unordered_set<int32_t> memos_within_budget(
       const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates);
   std::unordered_set<int32_t> memos_scheduled(
@@ -343,6 +358,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
+  // Nested regions entered so far, by id (0: this region): each one's
+  // enclosing scope (-1 for 0), and the one recording now.
+  std::vector<int32_t> scope_parents_{-1};
+  int32_t scope_ = 0;
   bool allow_cache_entry_mutation_;
   const int64_t replay_budget_;
   const bool budget_counts_saved_;

@@ -94,7 +94,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   restored_in_replay_ = false;
   c10::Storage base;
   try {
-    base = materialize(saved.storage, saved.state);
+    base = materialize(saved.storage, saved.state, saved.scope);
   } catch (...) {
     if (restored_in_replay_ && restorer_.done) {
       restorer_.done();
@@ -172,7 +172,7 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   return plan;
 }
 
-c10::Storage Region::materialize(int32_t storage, int32_t state) {
+c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) {
   if (c10::Storage memo = storages_[storage].memo.at_state(state)) {
     return memo;
   }
@@ -191,7 +191,7 @@ c10::Storage Region::materialize(int32_t storage, int32_t state) {
       }
     }
   }
-  const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage);
+  const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage, scope);
   auto may_keep = [&](int32_t s, int32_t st) {
     return worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
   };
@@ -329,11 +329,40 @@ std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t tar
   return candidates;
 }
 
+bool Region::encloses(int32_t outer, int32_t inner) const {
+  for (int32_t s = inner; s >= 0; s = scope_parents_[s]) {
+    if (s == outer) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool Region::nesting_allows(int32_t candidate, int32_t scope) const {
+  const StorageRecord& record = storages_[candidate];
+  if (encloses(entries_[record.producer].scope, scope)) {
+    return true;
+  }
+  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(),
+                     [&](int32_t reader) { return encloses(reader, scope); });
+}
+
 std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
-    const ReplayPlan& plan, int32_t target) {
-  const std::vector<int32_t> candidates = memo_candidates(plan, target);
+    const ReplayPlan& plan, int32_t target, int32_t scope) {
+  std::vector<int32_t> candidates = memo_candidates(plan, target);
   const size_t rebuild = executed_.size();
   std::optional<std::unordered_set<int32_t>> allowed;
+  if (!schedule_ && scope_parents_.size() > 1) {
+    const auto nested = std::remove_if(candidates.begin(), candidates.end(), [&](int32_t s) {
+      return !nesting_allows(s, scope);
+    });
+    if (nested != candidates.end()) {
+      candidates.erase(nested, candidates.end());
+      if (replay_budget_ == kNoReplayBudget) {
+        allowed.emplace(candidates.begin(), candidates.end());
+      }
+    }
+  }
   if (schedule_) {
     allowed = memos_scheduled(target, candidates, rebuild);
   } else if (replay_budget_ != kNoReplayBudget) {
