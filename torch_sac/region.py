@@ -131,6 +131,9 @@ class sac_context:
           copy: the outside tensor is updated exactly once.
         * Nested regions stack their policies on the outermost region: MUST
           beats PREFER, the innermost PREFER wins, two different MUSTs raise.
+          As with nested checkpoints, an inner region's tensors that the
+          outer region's rebuilds run through are not kept for it: they are
+          rebuilt again when the inner region's backward needs them.
         * Autograd's saved tensors inside the region go through the region's
           ``saved_tensors_hooks``; hooks a user enters *inside* the region
           (e.g. ``save_on_cpu``) take precedence for the tensors saved under

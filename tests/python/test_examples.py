@@ -23,3 +23,13 @@ def test_revolve_chain_example_runs_the_optimal_schedule():
         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "schedule executed exactly" in proc.stdout
+
+
+def test_peak_plan_example_fits_and_is_bitwise():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "peak_plan.py"),
+         "--depth", "4", "--fraction", "0.4", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("fits") == 2, proc.stdout
+    assert proc.stdout.count("bitwise equal to no checkpointing") == 2, proc.stdout
