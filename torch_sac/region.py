@@ -337,6 +337,11 @@ def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, replay_budge
     """
     _check_replay_budget(replay_budget, "checkpoint")
     if torch.compiler.is_compiling():
+        from ._peak_plan import PeakPlan
+
+        if isinstance(policy, PeakPlan):
+            replay_budget = replay_budget or policy.replay_budget
+            policy = policy.policy()
         if replay_budget is not None:
             _compile.warn_replay_budget_ignored()
         return _compile.checkpoint_when_compiling(

@@ -380,6 +380,23 @@ def test_checkpoint_inside_compiled_function_is_exact(engine, block_name, policy
     assert_nothing_installed()
 
 
+def test_peak_plan_inside_compiled_function_runs_its_forward_half(fresh_warning):
+    # Compiled, a plan's forward policy applies; its replay budget cannot
+    # (compiled SAC recomputes each dropped op once), and a warning says so.
+    _, x = make("mlp")
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(*[MLPBlock() for _ in range(6)])
+    ref = run(block, x, block)
+    xin = x.clone().requires_grad_()
+    plain = policies.budget(lambda: block(xin).sum(), peak_bytes=1 << 40).no_checkpoint_peak
+    plan = policies.budget(lambda: block(xin).sum(), peak_bytes=int(plain * 0.8))
+    assert plan.replay_budget is not None and plan.saved
+    fn = torch.compile(lambda x: torch_sac.checkpoint(block, x, policy=plan), backend="aot_eager")
+    assert_exact(run(block, x, fn), ref, "peak plan compiled")
+    assert any("replay_budget does not apply" in str(w.message) for w in fresh_warning)
+    assert_nothing_installed()
+
+
 @pytest.mark.parametrize("block_name", sorted(BLOCKS))
 @pytest.mark.parametrize("engine", ["checkpoint", "drop_in"])
 def test_checkpoint_inside_compiled_function_saves_memory(engine, block_name):

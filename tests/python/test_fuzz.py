@@ -988,8 +988,10 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
 
 
 # No budget, none at all (every rebuilt tensor is rebuilt again at its next
-# unpack), and budgets holding a few of the fuzzer's tensors.
-REPLAY_BUDGETS = st.sampled_from([None, 0, 200, 1000])
+# unpack), budgets holding a few of the fuzzer's tensors, and budgets that
+# also count the outputs the policy kept (a peak plan's).
+REPLAY_BUDGETS = st.sampled_from([None, 0, 200, 1000, torch_sac.ReplayBudget(200, True),
+                                  torch_sac.ReplayBudget(1000, True)])
 
 LAYOUTS = st.one_of(
     st.just(("one",)),
