@@ -21,7 +21,6 @@ working set of one replay, the outputs) is in every measured peak, so it is
 accounted for without being modelled.
 """
 
-import json
 import time
 
 import torch
@@ -30,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from . import _C, memory
 from ._op_profile import format_bytes
 from .region import ReplayBudget, sac_context
-from .schedule import ReplaySchedule, _call
+from .schedule import ReplaySchedule, _call, read_json, write_json
 
 __all__ = ["PeakPlan", "plan_for_peak"]
 
@@ -178,14 +177,11 @@ class PeakPlan:
                    schedule=ReplaySchedule.from_dict(data["schedule"]))
 
     def save(self, path):
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path):
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_json(path))
 
     def __repr__(self):
         return (f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "

@@ -126,14 +126,11 @@ class ReplaySchedule:
                    data.get("saved", ()))
 
     def save(self, path):
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path):
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_json(path))
 
     def _steps(self):
         """The rebuilds as the C++ region takes them."""
@@ -158,3 +155,15 @@ def _call(c):
         raise ValueError(f"torch_sac.ReplaySchedule: a saved call is (op, call_index), got {c!r}") from None
     key = TensorKey(op, call)
     return key.op, key.call_index
+
+
+def write_json(path, data):
+    """A plan or schedule as indented JSON (readable diffs)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)

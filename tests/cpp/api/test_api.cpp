@@ -261,21 +261,27 @@ TEST_F(CppApi, NestedContextsStackPoliciesOnTheOuterRegion) {
   EXPECT_FALSE(in_sac_context());
 }
 
-// A chain x_i = tanh(x_{i-1} @ w_i) of equal steps in one region under a
-// replay budget of two steps' tensors: exact, within the budget, and some
-// steps recomputed more than once.
-TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
-  at::manual_seed(0);
+// A chain x_i = tanh(x_{i-1} @ w_i) of equal steps (8 x 16 floats each).
+struct TanhChain {
+  static constexpr int64_t kStepBytes = 8 * 16 * 4;
   std::vector<at::Tensor> weights;
-  for (int i = 0; i < 12; ++i) {
-    weights.push_back((at::randn({16, 16}) * 0.3).requires_grad_());
+  at::Tensor x;
+
+  explicit TanhChain(int steps) {
+    at::manual_seed(0);
+    for (int i = 0; i < steps; ++i) {
+      weights.push_back((at::randn({16, 16}) * 0.3).requires_grad_());
+    }
+    x = at::randn({8, 16});
   }
-  const at::Tensor x = at::randn({8, 16});
-  const int64_t step_bytes = 8 * 16 * 4;
-  auto run = [&](std::optional<SacOptions> options, RegionHandle* handle) {
+
+  // The weights' gradients of sum(x_n), in one region with `policy` and
+  // `options` (none: plain autograd); `handle` gets the region.
+  std::vector<at::Tensor> grads(
+      PolicyPtr policy = nullptr, const SacOptions& options = {}, RegionHandle* handle = nullptr) {
     std::optional<SacContext> region;
-    if (options) {
-      region.emplace(policies::recompute_all(), *options);
+    if (policy) {
+      region.emplace(std::move(policy), options);
       *handle = region->handle();
     }
     at::Tensor h = x;
@@ -286,21 +292,26 @@ TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
       region->exit();
     }
     h.sum().backward();
-    std::vector<at::Tensor> grads;
+    std::vector<at::Tensor> out;
     for (const at::Tensor& w : weights) {
-      grads.push_back(w.grad().clone());
+      out.push_back(w.grad().clone());
       w.mutable_grad().reset();
     }
-    return grads;
-  };
-  RegionHandle none;
-  const auto expected = run(std::nullopt, &none);
+    return out;
+  }
+};
+
+// Under a replay budget of two steps' tensors: exact, within the budget,
+// and some steps recomputed more than once.
+TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
+  TanhChain chain(12);
+  const auto expected = chain.grads();
   RegionHandle handle;
   SacOptions options;
-  options.replay_budget = 2 * step_bytes;
-  expect_bitwise_equal(run(options, &handle), expected);
+  options.replay_budget = 2 * TanhChain::kStepBytes;
+  expect_bitwise_equal(chain.grads(policies::recompute_all(), options, &handle), expected);
   const RegionStats stats = handle.stats();
-  EXPECT_LE(stats.peak_memo_bytes, 2 * step_bytes);
+  EXPECT_LE(stats.peak_memo_bytes, 2 * TanhChain::kStepBytes);
   EXPECT_GT(stats.memos_skipped, 0);
   int64_t most = 0;
   for (const auto& row : handle.op_details()) {
@@ -313,51 +324,25 @@ TEST(CppApiReplayBudget, ChainRunsWithinItsBudgetAndExactly) {
   EXPECT_GT(most, 1) << "no step was recomputed twice";
 }
 
-// The same chain, forward keeping every 4th mm's output: a budget that
-// counts those leaves less room for rebuilt tensors (more replays), holds
-// at most its bytes of both, and changes no gradient.
+// Forward keeping every 4th mm's output: a budget that counts those leaves
+// less room for rebuilt tensors (more replays), holds at most its bytes of
+// both, and changes no gradient.
 TEST(CppApiReplayBudget, BudgetCountingSavedOutputsBoundsThemToo) {
-  at::manual_seed(0);
-  std::vector<at::Tensor> weights;
-  for (int i = 0; i < 16; ++i) {
-    weights.push_back((at::randn({16, 16}) * 0.3).requires_grad_());
-  }
-  const at::Tensor x = at::randn({8, 16});
-  const int64_t step_bytes = 8 * 16 * 4;
-  auto run = [&](std::optional<SacOptions> options, RegionHandle* handle) {
-    std::optional<SacContext> region;
-    if (options) {
-      region.emplace(policies::every_nth({policies::op("aten::mm")}, 4), *options);
-      *handle = region->handle();
-    }
-    at::Tensor h = x;
-    for (const at::Tensor& w : weights) {
-      h = at::tanh(at::mm(h, w));
-    }
-    if (region) {
-      region->exit();
-    }
-    h.sum().backward();
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& w : weights) {
-      grads.push_back(w.grad().clone());
-      w.mutable_grad().reset();
-    }
-    return grads;
-  };
-  RegionHandle none;
-  const auto expected = run(std::nullopt, &none);
+  TanhChain chain(16);
+  const auto expected = chain.grads();
   RegionStats stats[2];
   for (bool counts_saved : {false, true}) {
     SacOptions options;
-    options.replay_budget = 6 * step_bytes;
+    options.replay_budget = 6 * TanhChain::kStepBytes;
     options.replay_budget_counts_saved = counts_saved;
     RegionHandle handle;
-    expect_bitwise_equal(run(options, &handle), expected);
+    expect_bitwise_equal(
+        chain.grads(policies::every_nth({policies::op("aten::mm")}, 4), options, &handle),
+        expected);
     stats[counts_saved] = handle.stats();
   }
-  EXPECT_EQ(stats[true].saved_bytes, 4 * step_bytes);
-  EXPECT_LE(stats[true].peak_held_bytes, 6 * step_bytes);
+  EXPECT_EQ(stats[true].saved_bytes, 4 * TanhChain::kStepBytes);
+  EXPECT_LE(stats[true].peak_held_bytes, 6 * TanhChain::kStepBytes);
   EXPECT_GT(stats[true].peak_held_bytes, stats[true].peak_memo_bytes);
   EXPECT_GT(stats[true].replayed_ops, stats[false].replayed_ops);
 }
