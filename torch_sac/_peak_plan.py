@@ -38,6 +38,12 @@ FORMAT = "torch_sac.peak_plan/1"
 # Candidate budgets measured at most (each is two runs of fn: the
 # recompute-everything run that shows the first sweep, and the plan's run).
 _MAX_CANDIDATES = 8
+# Checkpoint shares of the spaced heuristic tried at the budget found
+# (replay_budget.h): the default, then fewer checkpoints and more of what
+# backward needs next (measured on bench_recompute's TinyGPT chain: 1/8 to
+# 1/32 recompute less at checkpoint_sequential's peak, 1/2 at half of it).
+_DEFAULT_SHARE = 0.5
+_OTHER_SHARES = (1 / 8, 1 / 32)
 
 
 class PeakPlan:
@@ -130,7 +136,8 @@ class PeakPlan:
             f"{format_bytes(self.peak_bytes)} (no checkpointing: "
             f"{format_bytes(self.no_checkpoint_peak)})",
             f"  backward holds at most {format_bytes(self.replay_budget.bytes)} of kept and "
-            f"rebuilt tensors" if self.replay_budget else "  nothing dropped",
+            f"rebuilt tensors (checkpoint share {self.replay_budget.checkpoint_share:g})"
+            if self.replay_budget else "  nothing dropped",
             f"  recompute: {self.recomputed_ops} op replays, {self.recompute_seconds * 1e3:.2f} ms "
             f"({ratio:.2f}x one forward)",
             f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
@@ -328,9 +335,22 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
                 "gradients, the outputs).")
         best = (floor, [], 0)
     run_, saved, budget = best
+    share = _DEFAULT_SHARE
+    if budget > 0 and run_.stats.get("spaced_choices", 0):
+        # The spaced heuristic's split between checkpoints and what backward
+        # needs next suits some programs and not others (a transformer at a
+        # loose budget wants fewer checkpoints, a tight one more): try others
+        # at the same budget and keep the fewest replays that fit.
+        for other in _OTHER_SHARES:
+            replay_budget = ReplayBudget(budget, counts_saved=True, checkpoint_share=other)
+            sweep = run(recompute_all(), replay_budget)
+            kept = _first_sweep(sweep.schedule)
+            planned = run(ReplaySchedule([], kept).policy(), replay_budget)
+            if planned.fits(peak_bytes) and _better(planned, run_):
+                run_, saved, share = planned, kept, other
     solver = "spaced heuristic" if run_.stats.get("spaced_choices", 0) else "optimal reversal"
-    return _plan(peak_bytes, plain, run_, saved, ReplayBudget(budget, counts_saved=True), solver,
-                 measured)
+    return _plan(peak_bytes, plain, run_, saved,
+                 ReplayBudget(budget, counts_saved=True, checkpoint_share=share), solver, measured)
 
 
 def _better(a, b):

@@ -37,7 +37,7 @@ def _observers():
     return _active.observers
 
 
-class ReplayBudget(collections.namedtuple("ReplayBudget", ["bytes", "counts_saved"])):
+class ReplayBudget(collections.namedtuple("ReplayBudget", ["bytes", "counts_saved", "checkpoint_share"])):
     """A replay budget, for ``replay_budget=`` of :class:`sac_context`.
 
     ``ReplayBudget(bytes)`` is the same as ``replay_budget=bytes``: the region
@@ -47,18 +47,25 @@ class ReplayBudget(collections.namedtuple("ReplayBudget", ["bytes", "counts_save
     the room a kept checkpoint leaves goes to rebuilds. That is how a plan
     whose forward keeps the first sweep of an optimal reversal runs
     (:func:`torch_sac.policies.budget` with ``peak_bytes``).
+    ``checkpoint_share`` (in (0, 1], default 0.5): when the replay's cuts
+    are of several sizes, the most of what is free that goes to
+    checkpoints; the rest goes to the tensors backward needs next.
     """
 
     __slots__ = ()
 
-    def __new__(cls, bytes, counts_saved=False):
+    def __new__(cls, bytes, counts_saved=False, checkpoint_share=0.5):
         if isinstance(bytes, bool) or not isinstance(bytes, numbers.Integral):
             raise TypeError(f"torch_sac.ReplayBudget: bytes must be an int, got {bytes!r}")
         if bytes < 0:
             raise ValueError(f"torch_sac.ReplayBudget: bytes must be >= 0, got {bytes}")
         if not isinstance(counts_saved, bool):
             raise TypeError(f"torch_sac.ReplayBudget: counts_saved must be a bool, got {counts_saved!r}")
-        return super().__new__(cls, int(bytes), counts_saved)
+        if isinstance(checkpoint_share, bool) or not isinstance(checkpoint_share, numbers.Real) \
+                or not 0 < checkpoint_share <= 1:
+            raise ValueError(
+                f"torch_sac.ReplayBudget: checkpoint_share must be in (0, 1], got {checkpoint_share!r}")
+        return super().__new__(cls, int(bytes), counts_saved, float(checkpoint_share))
 
 
 def _check_replay_budget(replay_budget, where):

@@ -82,7 +82,8 @@ SacContext::SacContext(PolicyPtr policy, SacOptions options) {
     state->region = std::make_shared<region::Region>(
         std::move(policy), options.allow_cache_entry_mutation,
         options.replay_budget < 0 ? region::Region::kNoReplayBudget : options.replay_budget,
-        options.replay_budget >= 0 && options.replay_budget_counts_saved);
+        options.replay_budget >= 0 && options.replay_budget_counts_saved,
+        options.replay_checkpoint_share);
     state->owner = true;
     push_key_handler(state->region);
   }

@@ -112,10 +112,11 @@ PYBIND11_MODULE(_C, m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   py::class_<SavedActivationHandle>(m, "SavedActivation");
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
-      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool>(), py::arg("policy"),
+      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool, double>(), py::arg("policy"),
            py::arg("allow_cache_entry_mutation"),
            py::arg("replay_budget") = region::Region::kNoReplayBudget,
-           py::arg("budget_counts_saved") = false)
+           py::arg("budget_counts_saved") = false,
+           py::arg("checkpoint_share") = region::kDefaultCheckpointShare)
       .def("push_policy", &region::Region::push_policy, NoGil())
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())

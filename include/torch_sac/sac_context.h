@@ -57,6 +57,9 @@ struct SacOptions {
   // The budget also counts outputs the policy kept in forward that are still
   // alive (a plan whose forward keeps checkpoints the budget then reuses).
   bool replay_budget_counts_saved = false;
+  // Of what is free under the budget, the most the spaced heuristic gives to
+  // checkpoints (the rest to the tensors backward needs next), in (0, 1].
+  double replay_checkpoint_share = 0.5;
 };
 
 // What a region recorded, readable after the SacContext that recorded it is

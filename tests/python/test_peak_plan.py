@@ -296,6 +296,9 @@ def test_errors():
         torch_sac.ReplayBudget(-1)
     with pytest.raises(TypeError, match="counts_saved"):
         torch_sac.ReplayBudget(10, counts_saved=1)
+    for share in (0, 1.5, True):
+        with pytest.raises(ValueError, match="checkpoint_share"):
+            torch_sac.ReplayBudget(10, checkpoint_share=share)
 
 
 def test_budget_counting_saved_outputs_bounds_them_too():
@@ -329,3 +332,21 @@ def test_saved_outputs_over_the_budget_leave_only_the_tensor_handed_over():
     stats = region.stats()
     assert stats["peak_memo_bytes"] == size
     assert stats["peak_held_bytes"] <= stats["saved_bytes"] + size
+
+
+def test_checkpoint_share_changes_the_choice_not_the_gradients():
+    # A chain with skips (cuts of two sizes: the spaced heuristic) under one
+    # budget, three shares: gradients bitwise; the budget holds for each.
+    reads = functools.partial(SKIP_GRAPHS["every_third"], n=16)
+    layers, x, forward, size = tanh_chain(16, batch=32, reads=reads)
+    want, _, _ = grads_of(forward, layers, x)
+    replays = set()
+    for share in (0.5, 1 / 8, 1 / 32):
+        budget_ = torch_sac.ReplayBudget(6 * size, counts_saved=True, checkpoint_share=share)
+        got, _, region = grads_of(forward, layers, x,
+                                  torch_sac.sac_context(torch_sac.policies.recompute_all(),
+                                                        replay_budget=budget_))
+        assert_bitwise(got, want)
+        assert region.stats()["peak_held_bytes"] <= 6 * size
+        replays.add(region.stats()["replayed_ops"])
+    assert len(replays) > 1, "the share made no difference: the test no longer covers it"

@@ -63,10 +63,12 @@ Region::Region(
     std::shared_ptr<OpPolicy> policy,
     bool allow_cache_entry_mutation,
     int64_t replay_budget,
-    bool budget_counts_saved)
+    bool budget_counts_saved,
+    double checkpoint_share)
     : allow_cache_entry_mutation_(allow_cache_entry_mutation),
       replay_budget_(replay_budget),
       budget_counts_saved_(budget_counts_saved),
+      checkpoint_share_(checkpoint_share),
       records_(!recording_disabled()) {
   TORCH_CHECK(policy, "torch_sac: sac_context needs a policy");
   TORCH_CHECK_VALUE(
@@ -76,6 +78,9 @@ Region::Region(
   TORCH_CHECK_VALUE(
       !budget_counts_saved || replay_budget != kNoReplayBudget,
       "torch_sac: a replay budget that counts saved outputs needs a number of bytes");
+  TORCH_CHECK_VALUE(
+      checkpoint_share > 0 && checkpoint_share <= 1,
+      "torch_sac: a replay budget's checkpoint_share must be in (0, 1], got ", checkpoint_share);
   policies_.push_back(std::move(policy));
 }
 

@@ -44,6 +44,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/op_policy.h"
 #include "memo.h"
+#include "replay_budget.h"
 #include "replay_schedule.h"
 #include "csrc/core/numerics_state.h"
 #include "rng_snapshot.h"
@@ -139,8 +140,11 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // kept checkpoint leaves when backward is past it goes to rebuilds (a
   // forward that keeps the first sweep of an optimal reversal; see
   // torch_sac/_peak_plan.py).
+  // `checkpoint_share`: of what is free, the most the spaced heuristic
+  // gives to checkpoints (replay_budget.h).
   Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation,
-         int64_t replay_budget = kNoReplayBudget, bool budget_counts_saved = false);
+         int64_t replay_budget = kNoReplayBudget, bool budget_counts_saved = false,
+         double checkpoint_share = kDefaultCheckpointShare);
 
   // OpHandler: records the op (forward only, while open).
   void handle(
@@ -365,6 +369,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   bool allow_cache_entry_mutation_;
   const int64_t replay_budget_;
   const bool budget_counts_saved_;
+  const double checkpoint_share_;
   // False when the region was entered with grad off or in inference mode:
   // no graph is built, so nothing is recorded.
   const bool records_;

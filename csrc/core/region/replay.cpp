@@ -512,7 +512,8 @@ std::unordered_set<int32_t> Region::memos_within_budget(
       tail_bytes += storages_[s].nbytes;
     }
   }
-  const std::vector<size_t> chosen = choose_checkpoints(cuts, cost, free_bytes, tail_bytes);
+  const std::vector<size_t> chosen =
+      choose_checkpoints(cuts, cost, free_bytes, tail_bytes, checkpoint_share_);
   const bool any_checkpoint = std::any_of(
       cuts.begin(), cuts.end(), [](const ReplayCut& cut) { return cut.bytes > 0; });
   if (any_checkpoint && free_bytes > 0 && !uses_optimal_reversal(cuts)) {

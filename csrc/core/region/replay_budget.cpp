@@ -147,7 +147,7 @@ bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts) {
 
 std::vector<size_t> choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
-    int64_t tail_bytes) {
+    int64_t tail_bytes, double checkpoint_share) {
   if (cuts.empty() || total_cost <= 0 || free_bytes <= 0) {
     return {};
   }
@@ -168,9 +168,9 @@ std::vector<size_t> choose_checkpoints(
     }
     return picked;
   }
-  // The most windows whose cuts fit in half of what is free (a binary
+  // The most windows whose cuts fit in the share of what is free (a binary
   // search: more windows pick more bytes, up to ties).
-  const int64_t allowance = free_bytes / 2;
+  const auto allowance = static_cast<int64_t>(static_cast<double>(free_bytes) * checkpoint_share);
   std::vector<size_t> best;
   size_t low = 1;
   size_t high = std::min(cuts.size(), kMaxCheckpoints);
@@ -185,7 +185,7 @@ std::vector<size_t> choose_checkpoints(
     }
   }
   if (best.empty()) {
-    // Too tight for checkpoints in half of it: one checkpoint (in the
+    // Too tight for checkpoints in the share: one checkpoint (in the
     // window around the middle, at its later end) shortens the replays of a
     // chain more than one more tensor kept at its end.
     auto [picked, bytes] = spaced(cuts, total_cost, 1);

@@ -15,7 +15,8 @@
 //  * everything fits: keep everything (no tensor is rebuilt twice);
 //  * cuts of one size: the checkpoints of the optimal reversal of a chain of
 //    equal steps (see choose_checkpoints), after reserving the tail;
-//  * otherwise, up to half of `free` goes to checkpoints: cuts of the replay
+//  * otherwise, up to half of `free` (the checkpoint share) goes to
+//    checkpoints: cuts of the replay
 //    (points where every rebuilt tensor that later ops read is a candidate,
 //    so keeping those few tensors lets a later replay start there: a
 //    transformer's residual stream between blocks, not its attention
@@ -34,6 +35,9 @@
 
 namespace torch_sac::region {
 
+// The spaced heuristic's share of what is free, by default.
+constexpr double kDefaultCheckpointShare = 0.5;
+
 // A point of the replay between two ops where keeping `bytes` (the rebuilt
 // tensors produced before it and read after it) lets later replays start.
 struct ReplayCut {
@@ -48,14 +52,17 @@ struct ReplayCut {
 //  * Cuts of one size (within 1/8): the checkpoints the optimal reversal of
 //    a chain of equal steps keeps on this sweep (the recursion of Revolve),
 //    with what is free after the tail.
-//  * Otherwise, spaced: at most half of free_bytes (all of it for a single
-//    cut when none fits in half).
+//  * Otherwise, spaced: at most `checkpoint_share` of free_bytes (all of it
+//    for a single cut when none fits in that share). Which share is best
+//    depends on the program: keeping a transformer's whole residual stream
+//    leaves less for the blocks autograd needs next (a peak plan tries
+//    several, _peak_plan.py).
 // Whether choose_checkpoints takes the optimal-reversal path for these cuts
 // (cuts of one size, few enough for the table); otherwise it spaces them.
 bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts);
 
 std::vector<std::size_t> choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
-    int64_t tail_bytes = 0);
+    int64_t tail_bytes = 0, double checkpoint_share = kDefaultCheckpointShare);
 
 } // namespace torch_sac::region
