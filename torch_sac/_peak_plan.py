@@ -335,27 +335,35 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
                 "gradients, the outputs).")
         best = (floor, [], 0)
     run_, saved, budget = best
-    share = _DEFAULT_SHARE
+    share, best_budget = _DEFAULT_SHARE, budget
     if budget > 0 and run_.stats.get("spaced_choices", 0):
         # The spaced heuristic's split between checkpoints and what backward
         # needs next suits some programs and not others (a transformer at a
         # loose budget wants fewer checkpoints, a tight one more): try others
         # at the same budget and keep the fewest replays that fit.
         for other in _OTHER_SHARES:
-            replay_budget = ReplayBudget(budget, counts_saved=True, checkpoint_share=other)
-            sweep = run(recompute_all(), replay_budget)
-            kept = _first_sweep(sweep.schedule)
-            planned = run(ReplaySchedule([], kept).policy(), replay_budget)
-            if planned.fits(peak_bytes) and _better(planned, run_):
-                run_, saved, share = planned, kept, other
+            # Another share moves the peak a little: one step down if over.
+            tried = budget
+            for _ in range(2):
+                replay_budget = ReplayBudget(tried, counts_saved=True, checkpoint_share=other)
+                sweep = run(recompute_all(), replay_budget)
+                kept = _first_sweep(sweep.schedule)
+                planned = run(ReplaySchedule([], kept).policy(), replay_budget)
+                if planned.fits(peak_bytes):
+                    if _better(planned, run_):
+                        run_, saved, share, best_budget = planned, kept, other, tried
+                    break
+                tried = max(tried - (planned.peak - peak_bytes) - resolution, 0)
+        budget = best_budget
     solver = "spaced heuristic" if run_.stats.get("spaced_choices", 0) else "optimal reversal"
     return _plan(peak_bytes, plain, run_, saved,
                  ReplayBudget(budget, counts_saved=True, checkpoint_share=share), solver, measured)
 
 
 def _better(a, b):
-    """Fewer replays (then less replay time) is better."""
-    return (a.replayed, a.stats.get("replay_ns", 0)) < (b.replayed, b.stats.get("replay_ns", 0))
+    """Less estimated replay cost (FLOPs, bytes, per-op overhead: the
+    region's, deterministic), then fewer replays, is better."""
+    return (a.stats.get("replayed_cost", 0), a.replayed) < (b.stats.get("replayed_cost", 0), b.replayed)
 
 
 def _plan(peak_bytes, plain, run, saved, budget, solver, measured):

@@ -170,6 +170,7 @@ PYBIND11_MODULE(_C, m) {
         d["unpacked_original"] = s.unpacked_original;
         d["replayed_ops"] = s.replayed_ops;
         d["replay_ns"] = s.replay_ns;
+        d["replayed_cost"] = s.replayed_cost;
         d["record_ns"] = s.record_ns;
         d["memo_bytes"] = s.memo_bytes;
         d["peak_memo_bytes"] = s.peak_memo_bytes;
