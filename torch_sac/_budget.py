@@ -566,6 +566,11 @@ def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="
             raise ValueError(
                 f"torch_sac.{where}: peak_bytes plans fn as one region: pass it without bytes, "
                 "fraction or modules")
+        if cost != "time" or solver != "auto" or repeats != 3 or max_states is not None:
+            raise ValueError(
+                f"torch_sac.{where}: cost, solver, repeats and max_states are for bytes/fraction "
+                "plans; a peak_bytes plan measures peaks and weighs replays by the region's "
+                "estimated cost")
         from ._peak_plan import plan_for_peak  # it runs regions, which import policies
 
         return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)

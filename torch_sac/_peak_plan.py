@@ -21,6 +21,7 @@ working set of one replay, the outputs) is in every measured peak, so it is
 accounted for without being modelled.
 """
 
+import numbers
 import time
 
 import torch
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import _C, memory
 from ._op_profile import format_bytes
-from .region import ReplayBudget, sac_context
+from .region import ReplayBudget, in_region, sac_context
 from .schedule import ReplaySchedule, _call, read_json, write_json
 
 __all__ = ["PeakPlan", "plan_for_peak"]
@@ -69,8 +70,11 @@ class PeakPlan:
         forward_seconds: one forward without checkpointing, for scale.
         replays_by_op: ``{op: [replays of each call]}`` in the planned run.
         solver: ``"none needed"`` (fits without checkpointing),
-            ``"optimal reversal"`` (every rebuild chose by the optimal
-            reversal of a chain of equal steps) or ``"spaced heuristic"``.
+            ``"optimal reversal"`` (one chain, whose first sweep covers every
+            call backward replays, and every rebuild chose by the optimal
+            reversal of a chain of equal steps), ``"reversal per rebuild"``
+            (the same choices, but over several chains or sweeps) or
+            ``"spaced heuristic"``.
         optimal: whether no schedule in this family recomputes fewer steps
             under ``replay_budget`` (true for the first two solvers; the
             bound is in steps of the chain, proven by Revolve's recursion).
@@ -172,13 +176,22 @@ class PeakPlan:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"torch_sac.PeakPlan.from_dict: not a {FORMAT} dict (format {found!r})")
-        fields = {k: data[k] for k in (
-            "peak_bytes", "measured_peak", "no_checkpoint_peak", "recomputed_ops",
-            "recompute_seconds", "forward_seconds", "replays_by_op", "solver", "solve_seconds",
-            "measure_seconds", "runs")}
-        budget = data["replay_budget"]
-        saved = data["saved"]
-        return cls(**fields,
+        names = ("peak_bytes", "measured_peak", "no_checkpoint_peak", "recomputed_ops",
+                 "recompute_seconds", "forward_seconds", "replays_by_op", "solver",
+                 "solve_seconds", "measure_seconds", "runs", "replay_budget", "saved", "schedule")
+        missing = [k for k in names if k not in data]
+        if missing:
+            raise ValueError(f"torch_sac.PeakPlan.from_dict: the {FORMAT} dict lacks {missing}")
+        budget, saved = data["replay_budget"], data["saved"]
+        if budget is not None and not isinstance(budget, (list, tuple)):
+            raise ValueError(
+                "torch_sac.PeakPlan.from_dict: replay_budget must be null or "
+                f"[bytes, counts_saved, checkpoint_share], got {budget!r}")
+        if saved is not None and not isinstance(saved, (list, tuple)):
+            raise ValueError(
+                f"torch_sac.PeakPlan.from_dict: saved must be null or a list of [op, call_index], "
+                f"got {saved!r}")
+        return cls(**{k: data[k] for k in names[:11]},
                    replay_budget=None if budget is None else ReplayBudget(*budget),
                    saved=None if saved is None else [_call(c) for c in saved],
                    schedule=ReplaySchedule.from_dict(data["schedule"]))
@@ -256,6 +269,10 @@ def _measure(fn, args, kwargs, where, policy=None, replay_budget=None):
                 f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
                 "to plan; call it with inputs or parameters that require grad")
         del out
+        if all(o.grad_fn is None for o in outputs):
+            raise ValueError(
+                f"torch_sac.{where}: fn returns only leaf tensors (no op ran on them), so there "
+                "is no backward to plan")
         leaves = _graph_leaves(outputs)
         torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs],
                             allow_unused=True)
@@ -279,8 +296,13 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
     """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
     from .policies import recompute_all  # policies imports this module
 
-    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, int) or peak_bytes <= 0:
+    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Integral) or peak_bytes <= 0:
         raise ValueError(f"torch_sac.{where}: peak_bytes must be an int > 0, got {peak_bytes!r}")
+    peak_bytes = int(peak_bytes)
+    if in_region():
+        raise RuntimeError(
+            f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
+            "sac_context is open on this thread: plan outside it")
     measured = []
 
     def run(policy=None, budget=None):
@@ -290,7 +312,11 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
 
     plain = run()
     if plain.fits(peak_bytes):
-        return _plan(peak_bytes, plain, plain, None, None, "none needed", measured)
+        # As the plan runs: in a region saving everything (regions inside
+        # fn merge into it, and their replays count).
+        kept = run(_C.save_all())
+        if kept.fits(peak_bytes):
+            return _plan(peak_bytes, plain, kept, None, None, "none needed", measured)
     # The largest budget whose plan fits. The peak moves by about as much as
     # the budget does (in steps of the tensors kept), so step by the gap
     # until the budget is bracketed, then bisect.
@@ -304,7 +330,7 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
         planned = run(ReplaySchedule([], saved).policy(), ReplayBudget(budget, counts_saved=True))
         for candidate, kept in ((planned, saved), (sweep, [])):
             if candidate.fits(peak_bytes) and (best is None or _better(candidate, best[0])):
-                best = (candidate, kept, budget)
+                best = (candidate, kept, budget, sweep)
         if planned.fits(peak_bytes):
             fits_at = budget if fits_at is None else max(fits_at, budget)
         else:
@@ -333,8 +359,8 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
                 f"tensor handed over (without checkpointing: {format_bytes(plain.peak)}). "
                 "Raise peak_bytes, or shrink what the budget cannot control (batch size, "
                 "gradients, the outputs).")
-        best = (floor, [], 0)
-    run_, saved, budget = best
+        best = (floor, [], 0, floor)
+    run_, saved, budget, sweep = best
     share, best_budget = _DEFAULT_SHARE, budget
     if budget > 0 and run_.stats.get("spaced_choices", 0):
         # The spaced heuristic's split between checkpoints and what backward
@@ -346,18 +372,32 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
             tried = budget
             for _ in range(2):
                 replay_budget = ReplayBudget(tried, counts_saved=True, checkpoint_share=other)
-                sweep = run(recompute_all(), replay_budget)
-                kept = _first_sweep(sweep.schedule)
+                sweep_ = run(recompute_all(), replay_budget)
+                kept = _first_sweep(sweep_.schedule)
                 planned = run(ReplaySchedule([], kept).policy(), replay_budget)
                 if planned.fits(peak_bytes):
                     if _better(planned, run_):
                         run_, saved, share, best_budget = planned, kept, other, tried
+                        sweep = sweep_
                     break
                 tried = max(tried - (planned.peak - peak_bytes) - resolution, 0)
         budget = best_budget
-    solver = "spaced heuristic" if run_.stats.get("spaced_choices", 0) else "optimal reversal"
+    solver = _solver(run_, sweep)
     return _plan(peak_bytes, plain, run_, saved,
                  ReplayBudget(budget, counts_saved=True, checkpoint_share=share), solver, measured)
+
+
+def _solver(planned, sweep):
+    """Which choice made the plan: the optimal reversal is proven optimal
+    only when the first sweep covered every call backward replays (one
+    chain); separate chains each reversed optimally are not (the budget is
+    not split between them optimally)."""
+    if planned.stats.get("spaced_choices", 0):
+        return "spaced heuristic"
+    replayed_calls = sum(1 for row in sweep.details for r in row.get("replays_by_call", ()) if r)
+    if sweep.stats.get("first_rebuild_replayed_ops", 0) >= replayed_calls:
+        return "optimal reversal"
+    return "reversal per rebuild"
 
 
 def _better(a, b):

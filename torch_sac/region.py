@@ -24,6 +24,11 @@ def _stack():
     return _active.regions
 
 
+def in_region():
+    """Whether a sac_context is open on this thread."""
+    return bool(_stack())
+
+
 def _observers():
     """Objects told when an outermost region, or the forward context of a
     drop-in pair (``create_selective_checkpoint_contexts``), starts and ends on

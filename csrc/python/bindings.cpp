@@ -178,6 +178,7 @@ PYBIND11_MODULE(_C, m) {
         d["peak_held_bytes"] = s.peak_held_bytes;
         d["budget_choice_ns"] = s.budget_choice_ns;
         d["spaced_choices"] = s.spaced_choices;
+        d["first_rebuild_replayed_ops"] = s.first_rebuild_replayed_ops;
         return d;
       })
       .def("set_replay_schedule", [](region::Region& self,

@@ -350,3 +350,20 @@ def test_checkpoint_share_changes_the_choice_not_the_gradients():
         assert region.stats()["peak_held_bytes"] <= 6 * size
         replays.add(region.stats()["replayed_ops"])
     assert len(replays) > 1, "the share made no difference: the test no longer covers it"
+
+
+def test_independent_chains_are_not_claimed_optimal():
+    # The first sweep covers one chain only: each rebuild may be an optimal
+    # reversal, but the plan is not proven optimal (found by the adversarial
+    # review: three chains reported optimal=True).
+    chains = [tanh_chain(8, seed=s) for s in range(3)]
+
+    def forward():
+        return sum(f() for _, _, f, _ in chains)
+
+    leaves = [p for layers, x, _, _ in chains for layer in layers for p in layer.parameters()]
+    with torch_sac.memory.track() as m:
+        torch.autograd.grad(forward().sum(), leaves)
+    plan = budget(forward, peak_bytes=int(m.peak * 0.7))
+    assert plan.recomputed_ops > 0
+    assert plan.solver != "optimal reversal" and not plan.optimal

@@ -120,6 +120,9 @@ struct RegionStats {
   // chain (replay_budget.h).
   int64_t budget_choice_ns = 0;
   int64_t spaced_choices = 0;
+  // Ops the first rebuild of the last backward pass replayed (a peak plan
+  // checks that its first sweep covered the whole tape).
+  int64_t first_rebuild_replayed_ops = 0;
 };
 
 struct RegionOpSummary {

@@ -192,6 +192,9 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
     }
   }
   const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage, scope);
+  if (executed_.size() == 1) {
+    stats_.first_rebuild_replayed_ops = static_cast<int64_t>(plan.entries.size());
+  }
   auto may_keep = [&](int32_t s, int32_t st) {
     return worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
   };
