@@ -294,8 +294,14 @@ class sac_context:
         recording ops in forward, outside the ops themselves);
         ``memo_bytes`` (rebuilt tensors held now for unpacks to come),
         ``peak_memo_bytes`` (the most held after a replay: at most
-        ``replay_budget``), ``memos_skipped`` (rebuilt tensors the budget
-        did not let the region keep, rebuilt again when unpacked).
+        ``replay_budget``), ``memos_skipped`` (rebuilt tensors the budget,
+        or a nested region's scope, did not let the region keep, rebuilt
+        again when unpacked). Under a budget: ``peak_held_bytes`` (with
+        ``counts_saved``: the most of rebuilt tensors plus live kept
+        outputs after a replay), ``budget_choice_ns`` (time spent choosing
+        what to keep), ``spaced_choices`` (choices made by the spaced
+        heuristic rather than the optimal reversal), ``replayed_cost`` (the
+        replays' estimated cost, nominal ns), ``first_rebuild_replayed_ops``.
         """
         self._check_used("stats")
         return self._region.stats()

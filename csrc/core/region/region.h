@@ -101,7 +101,7 @@ struct RegionStats {
   int64_t replay_ns = 0;
   // Under a replay budget: the replays' estimated cost (replay_cost.h),
   // deterministic where replay_ns is measured.
-  double replayed_cost = 0;
+  int64_t replayed_cost = 0;
   // Time the region spent recording in forward, outside the ops themselves
   // (the interception overhead; the adapter's own dispatch is not included).
   int64_t record_ns = 0;

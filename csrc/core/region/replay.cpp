@@ -724,7 +724,7 @@ torch::jit::Stack Region::replay_entry(
       std::chrono::steady_clock::now() - start).count();
   stats_.replay_ns += elapsed;
   ++stats_.replayed_ops;
-  stats_.replayed_cost += entry.replay_cost;
+  stats_.replayed_cost += static_cast<int64_t>(entry.replay_cost);
   OpInfo& info = ops_[entry.op_index];
   ++info.replayed;
   info.replay_ns += elapsed;
