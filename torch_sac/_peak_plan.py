@@ -39,12 +39,13 @@ FORMAT = "torch_sac.peak_plan/1"
 # Candidate budgets measured at most (each is two runs of fn: the
 # recompute-everything run that shows the first sweep, and the plan's run).
 _MAX_CANDIDATES = 8
-# Checkpoint shares of the spaced heuristic tried at the budget found
-# (replay_budget.h): the default, then fewer checkpoints and more of what
+# Checkpoint shares of the spaced heuristic tried at the budget found, after
+# the default 1/2 (replay_budget.h): fewer checkpoints, more of what
 # backward needs next (measured on bench_recompute's TinyGPT chain: 1/8 to
 # 1/32 recompute less at checkpoint_sequential's peak, 1/2 at half of it).
-_DEFAULT_SHARE = 0.5
 _OTHER_SHARES = (1 / 8, 1 / 32)
+# Further first sweeps (of independent chains) forward may keep.
+_MAX_EXTRA_SWEEPS = 4
 
 
 class PeakPlan:
@@ -219,9 +220,6 @@ class _Run:
         self.schedule = schedule
         self.details = details
 
-    def fits(self, peak_bytes):
-        return self.peak <= peak_bytes
-
     @property
     def replayed(self):
         return self.stats.get("replayed_ops", 0)
@@ -292,99 +290,146 @@ def _first_sweep(schedule):
     return sorted({(k.op, k.call_index) for k in (first.unpacked, *first.keep)})
 
 
+class _Candidate:
+    """A measured plan: its run, the calls forward keeps, its budget, and
+    the recompute-everything run whose first sweep it keeps."""
+
+    def __init__(self, run, saved, budget, sweep):
+        self.run, self.saved, self.budget, self.sweep = run, saved, budget, sweep
+
+
+class _Planner:
+    """The search behind :func:`plan_for_peak`; every run it makes is kept
+    (for the plan's run count and time)."""
+
+    def __init__(self, fn, args, kwargs, peak_bytes, where):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.peak_bytes, self.where = peak_bytes, where
+        self.resolution = max(peak_bytes // 128, 1)
+        self.measured = []
+
+    def run(self, policy=None, budget=None):
+        r = _measure(self.fn, self.args, self.kwargs, self.where, policy, budget)
+        self.measured.append(r)
+        return r
+
+    def fits(self, run):
+        return run.peak <= self.peak_bytes
+
+    def at_budget(self, budget):
+        """The first sweep of a recompute-everything run under ``budget``,
+        and the plan keeping it: (sweep run, plan run, kept calls)."""
+        from .policies import recompute_all  # policies imports this module
+
+        sweep = self.run(recompute_all(), budget)
+        saved = _first_sweep(sweep.schedule)
+        return sweep, self.run(ReplaySchedule([], saved).policy(), budget), saved
+
+    def search_budget(self):
+        """The best fitting candidate over budgets: the largest budget whose
+        plan fits. The peak moves by about as much as the budget does (in
+        steps of the tensors kept), so step by the gap until the budget is
+        bracketed, then bisect. None if no budget tried fits."""
+        best = None
+        fits_at, fails_at = None, None
+        budget = self.peak_bytes // 2
+        for _ in range(_MAX_CANDIDATES):
+            sweep, planned, saved = self.at_budget(ReplayBudget(budget, counts_saved=True))
+            for run, kept in ((planned, saved), (sweep, [])):
+                if self.fits(run) and (best is None or _better(run, best.run)):
+                    best = _Candidate(run, kept, ReplayBudget(budget, counts_saved=True), sweep)
+            if self.fits(planned):
+                fits_at = budget if fits_at is None else max(fits_at, budget)
+            else:
+                fails_at = budget if fails_at is None else min(fails_at, budget)
+            if fits_at is not None and fails_at is not None:
+                if fails_at - fits_at <= self.resolution:
+                    break
+                budget = (fits_at + fails_at) // 2
+            else:
+                gap = self.peak_bytes - planned.peak
+                if fits_at is not None and gap <= self.resolution:
+                    break
+                # The peak is flat until the budget holds one more tensor:
+                # step by at least an eighth of the budget.
+                step = max(abs(gap), budget // 8, self.resolution)
+                budget = max(budget + (step if gap > 0 else -step), 0)
+                if fails_at == 0:
+                    break
+        return best
+
+    def try_shares(self, best):
+        """The spaced heuristic's split between checkpoints and what
+        backward needs next suits some programs and not others (a
+        transformer at a loose budget wants fewer checkpoints, a tight one
+        more): other shares at the same budget, one step down if one peaks
+        over."""
+        for share in _OTHER_SHARES:
+            tried = best.budget.bytes
+            for _ in range(2):
+                budget = ReplayBudget(tried, counts_saved=True, checkpoint_share=share)
+                sweep, planned, saved = self.at_budget(budget)
+                if self.fits(planned):
+                    if _better(planned, best.run):
+                        best = _Candidate(planned, saved, budget, sweep)
+                    break
+                tried = max(tried - (planned.peak - self.peak_bytes) - self.resolution, 0)
+        return best
+
+    def extend_sweeps(self, best):
+        """The first sweep covers the first chain backward rebuilds; with
+        several (independent branches) the plan's own first rebuild is the
+        next one's sweep: keep it in forward too while that fits and helps."""
+        for _ in range(_MAX_EXTRA_SWEEPS):
+            union = sorted(set(best.saved) | set(_first_sweep(best.run.schedule)))
+            if len(union) == len(best.saved):
+                break
+            planned = self.run(ReplaySchedule([], union).policy(), best.budget)
+            if not (self.fits(planned) and _better(planned, best.run)):
+                break
+            best = _Candidate(planned, union, best.budget, best.sweep)
+        return best
+
+    def floor(self):
+        """Recompute everything, hold only the tensor handed over: the least
+        peak of the family, or a clear error if even that does not fit."""
+        from .policies import recompute_all
+
+        budget = ReplayBudget(0, counts_saved=True)
+        floor = self.run(recompute_all(), budget)
+        if not self.fits(floor):
+            raise ValueError(
+                f"torch_sac.{self.where}: peak_bytes={self.peak_bytes} "
+                f"({format_bytes(self.peak_bytes)}) is below the least peak a region reaches "
+                f"here: {floor.peak} bytes ({format_bytes(floor.peak)}) recomputing everything "
+                "and holding only the tensor handed over (without checkpointing: "
+                f"{format_bytes(self.measured[0].peak)}). Raise peak_bytes, or shrink what the "
+                "budget cannot control (batch size, gradients, the outputs).")
+        return _Candidate(floor, [], budget, floor)
+
+
 def plan_for_peak(fn, args, kwargs, peak_bytes, where):
     """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
-    from .policies import recompute_all  # policies imports this module
-
     if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Integral) or peak_bytes <= 0:
         raise ValueError(f"torch_sac.{where}: peak_bytes must be an int > 0, got {peak_bytes!r}")
-    peak_bytes = int(peak_bytes)
     if in_region():
         raise RuntimeError(
             f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
             "sac_context is open on this thread: plan outside it")
-    measured = []
-
-    def run(policy=None, budget=None):
-        r = _measure(fn, args, kwargs, where, policy, budget)
-        measured.append(r)
-        return r
-
-    plain = run()
-    if plain.fits(peak_bytes):
+    planner = _Planner(fn, args, kwargs, int(peak_bytes), where)
+    plain = planner.run()
+    if planner.fits(plain):
         # As the plan runs: in a region saving everything (regions inside
         # fn merge into it, and their replays count).
-        kept = run(_C.save_all())
-        if kept.fits(peak_bytes):
-            return _plan(peak_bytes, plain, kept, None, None, "none needed", measured)
-    # The largest budget whose plan fits. The peak moves by about as much as
-    # the budget does (in steps of the tensors kept), so step by the gap
-    # until the budget is bracketed, then bisect.
-    best = None
-    fits_at, fails_at = None, None
-    budget = peak_bytes // 2
-    resolution = max(peak_bytes // 128, 1)
-    for _ in range(_MAX_CANDIDATES):
-        sweep = run(recompute_all(), ReplayBudget(budget, counts_saved=True))
-        saved = _first_sweep(sweep.schedule)
-        planned = run(ReplaySchedule([], saved).policy(), ReplayBudget(budget, counts_saved=True))
-        for candidate, kept in ((planned, saved), (sweep, [])):
-            if candidate.fits(peak_bytes) and (best is None or _better(candidate, best[0])):
-                best = (candidate, kept, budget, sweep)
-        if planned.fits(peak_bytes):
-            fits_at = budget if fits_at is None else max(fits_at, budget)
-        else:
-            fails_at = budget if fails_at is None else min(fails_at, budget)
-        if fits_at is not None and fails_at is not None:
-            if fails_at - fits_at <= resolution:
-                break
-            budget = (fits_at + fails_at) // 2
-        else:
-            gap = peak_bytes - planned.peak
-            if fits_at is not None and gap <= resolution:
-                break
-            # The peak is flat until the budget holds one more tensor: step
-            # by at least an eighth of the budget.
-            step = max(abs(gap), budget // 8, resolution)
-            budget = max(budget + (step if gap > 0 else -step), 0)
-            if fails_at == 0:
-                break
-    if best is None:
-        floor = run(recompute_all(), ReplayBudget(0, counts_saved=True))
-        if not floor.fits(peak_bytes):
-            raise ValueError(
-                f"torch_sac.{where}: peak_bytes={peak_bytes} ({format_bytes(peak_bytes)}) is "
-                f"below the least peak a region reaches here: {floor.peak} bytes "
-                f"({format_bytes(floor.peak)}) recomputing everything and holding only the "
-                f"tensor handed over (without checkpointing: {format_bytes(plain.peak)}). "
-                "Raise peak_bytes, or shrink what the budget cannot control (batch size, "
-                "gradients, the outputs).")
-        best = (floor, [], 0, floor)
-    run_, saved, budget, sweep = best
-    share, best_budget = _DEFAULT_SHARE, budget
-    if budget > 0 and run_.stats.get("spaced_choices", 0):
-        # The spaced heuristic's split between checkpoints and what backward
-        # needs next suits some programs and not others (a transformer at a
-        # loose budget wants fewer checkpoints, a tight one more): try others
-        # at the same budget and keep the fewest replays that fit.
-        for other in _OTHER_SHARES:
-            # Another share moves the peak a little: one step down if over.
-            tried = budget
-            for _ in range(2):
-                replay_budget = ReplayBudget(tried, counts_saved=True, checkpoint_share=other)
-                sweep_ = run(recompute_all(), replay_budget)
-                kept = _first_sweep(sweep_.schedule)
-                planned = run(ReplaySchedule([], kept).policy(), replay_budget)
-                if planned.fits(peak_bytes):
-                    if _better(planned, run_):
-                        run_, saved, share, best_budget = planned, kept, other, tried
-                        sweep = sweep_
-                    break
-                tried = max(tried - (planned.peak - peak_bytes) - resolution, 0)
-        budget = best_budget
-    solver = _solver(run_, sweep)
-    return _plan(peak_bytes, plain, run_, saved,
-                 ReplayBudget(budget, counts_saved=True, checkpoint_share=share), solver, measured)
+        kept = planner.run(_C.save_all())
+        if planner.fits(kept):
+            return _plan(planner, plain, _Candidate(kept, None, None, None), "none needed")
+    best = planner.search_budget() or planner.floor()
+    if best.budget.bytes > 0 and best.run.stats.get("spaced_choices", 0):
+        best = planner.try_shares(best)
+    if best.budget.bytes > 0 and not _first_sweep_covers(best.sweep):
+        best = planner.extend_sweeps(best)
+    return _plan(planner, plain, best, _solver(best.run, best.sweep))
 
 
 def _solver(planned, sweep):
@@ -394,10 +439,15 @@ def _solver(planned, sweep):
     not split between them optimally)."""
     if planned.stats.get("spaced_choices", 0):
         return "spaced heuristic"
+    return "optimal reversal" if _first_sweep_covers(sweep) else "reversal per rebuild"
+
+
+def _first_sweep_covers(sweep):
+    """Whether the first rebuild of ``sweep`` replayed every call backward
+    replayed at all: the tape is one chain, and the forward keeping that
+    sweep is the whole first sweep of its reversal."""
     replayed_calls = sum(1 for row in sweep.details for r in row.get("replays_by_call", ()) if r)
-    if sweep.stats.get("first_rebuild_replayed_ops", 0) >= replayed_calls:
-        return "optimal reversal"
-    return "reversal per rebuild"
+    return sweep.stats.get("first_rebuild_replayed_ops", 0) >= replayed_calls
 
 
 def _better(a, b):
@@ -406,14 +456,15 @@ def _better(a, b):
     return (a.stats.get("replayed_cost", 0), a.replayed) < (b.stats.get("replayed_cost", 0), b.replayed)
 
 
-def _plan(peak_bytes, plain, run, saved, budget, solver, measured):
+def _plan(planner, plain, best, solver):
+    run = best.run
     replays = {row["op"]: list(row.get("replays_by_call", ())) for row in run.details}
-    schedule = run.schedule if run.schedule is not None else ReplaySchedule([])
     return PeakPlan(
-        peak_bytes=peak_bytes, measured_peak=run.peak, no_checkpoint_peak=plain.peak,
-        replay_budget=budget, saved=saved, schedule=schedule,
+        peak_bytes=planner.peak_bytes, measured_peak=run.peak, no_checkpoint_peak=plain.peak,
+        replay_budget=best.budget, saved=best.saved,
+        schedule=run.schedule if run.schedule is not None else ReplaySchedule([]),
         recomputed_ops=run.replayed, recompute_seconds=run.stats.get("replay_ns", 0) / 1e9,
         forward_seconds=plain.forward_seconds,
         replays_by_op={op: r for op, r in replays.items() if any(r)},
         solver=solver, solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
-        measure_seconds=sum(r.seconds for r in measured), runs=len(measured))
+        measure_seconds=sum(r.seconds for r in planner.measured), runs=len(planner.measured))

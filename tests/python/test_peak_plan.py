@@ -367,3 +367,9 @@ def test_independent_chains_are_not_claimed_optimal():
     plan = budget(forward, peak_bytes=int(m.peak * 0.7))
     assert plan.recomputed_ops > 0
     assert plan.solver != "optimal reversal" and not plan.optimal
+    # With room for it, forward keeps the first sweeps of several chains
+    # (tanh calls 0-7 are chain 0's, 8-15 chain 1's, 16-23 chain 2's).
+    roomy = budget(forward, peak_bytes=int(m.peak * 0.9))
+    chains_swept = {call // 8 for op, call in roomy.saved if op == "aten::tanh.default"}
+    assert len(chains_swept) >= 2, roomy.saved
+    assert roomy.measured_peak <= roomy.peak_bytes
