@@ -37,6 +37,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -342,6 +343,17 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::unordered_set<int32_t> memos_scheduled(
       int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const;
   ExecutedKey executed_key_of(int32_t storage) const;
+  // Storages by the key a schedule names them with (op name, call index,
+  // output): a recorded schedule of a large model names thousands per step.
+  class StoragesByKey {
+   public:
+    StoragesByKey(const Region& region, const std::vector<int32_t>& storages);
+    int32_t find(const TensorKey& key) const;  // -1: not among them
+
+   private:
+    std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key_;
+    std::unordered_map<std::string, int32_t> op_index_;
+  };
   TensorKey key_of(int32_t storage) const;
   std::string describe_key(const TensorKey& key) const;
   int64_t strong_memo_bytes() const;

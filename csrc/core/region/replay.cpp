@@ -284,16 +284,15 @@ void Region::release_after_rebuild(int32_t target) {
   std::vector<int32_t> released;
   if (schedule_) {
     const size_t rebuild = executed_.size() - 1;
+    const StoragesByKey by_key(*this, held);
     for (const TensorKey& key : (*schedule_)[rebuild].release) {
-      const auto found = std::find_if(held.begin(), held.end(), [&](int32_t s) {
-        return key_of(s) == key;
-      });
+      const int32_t found = by_key.find(key);
       TORCH_CHECK_VALUE(
-          found != held.end(),
+          found >= 0,
           "torch_sac: replay schedule rebuild #", rebuild, " releases ", describe_key(key),
           ", which the region does not hold at that point (never kept, or already unpacked "
           "for the last time).");
-      released.push_back(*found);
+      released.push_back(found);
     }
   } else {
     // Earlier targets still waiting for unpacks are held too: let go of the
@@ -390,6 +389,25 @@ Region::ExecutedKey Region::executed_key_of(int32_t storage) const {
   return {producer.op_index, producer.call_index, record.producer_output};
 }
 
+Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<int32_t>& storages) {
+  for (int32_t s : storages) {
+    const ExecutedKey k = region.executed_key_of(s);
+    by_key_.emplace(std::make_tuple(k.op_index, k.call_index, k.output), s);
+  }
+  for (size_t i = 0; i < region.ops_.size(); ++i) {
+    op_index_.emplace(region.ops_[i].name, static_cast<int32_t>(i));
+  }
+}
+
+int32_t Region::StoragesByKey::find(const TensorKey& key) const {
+  const auto op = op_index_.find(key.op);
+  if (op == op_index_.end()) {
+    return -1;
+  }
+  const auto found = by_key_.find(std::make_tuple(op->second, key.call_index, key.output));
+  return found == by_key_.end() ? -1 : found->second;
+}
+
 TensorKey Region::key_of(int32_t storage) const {
   const ExecutedKey key = executed_key_of(storage);
   return {ops_[key.op_index].name, key.call_index, key.output};
@@ -420,33 +438,17 @@ std::unordered_set<int32_t> Region::memos_scheduled(
       "recorded run (a schedule covers one pass, the last one the region ran; a second "
       "backward or autograd.grad reading the same tensors starts a new pass): record it "
       "again (region.replay_schedule()) from a run of this one.");
-  // Candidates by (op index, call, output): a recorded schedule of a large
-  // model keeps thousands of tensors in one step.
-  auto packed = [](int32_t op_index, int64_t call_index, int32_t output) {
-    return std::make_tuple(op_index, call_index, output);
-  };
-  std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key;
-  for (int32_t s : candidates) {
-    const ExecutedKey k = executed_key_of(s);
-    by_key.emplace(packed(k.op_index, k.call_index, k.output), s);
-  }
-  std::unordered_map<std::string, int32_t> op_index_by_name;
-  for (size_t i = 0; i < ops_.size(); ++i) {
-    op_index_by_name.emplace(ops_[i].name, static_cast<int32_t>(i));
-  }
+  const StoragesByKey by_key(*this, candidates);
   std::unordered_set<int32_t> allowed;
   for (const TensorKey& key : step.keep) {
-    const auto op = op_index_by_name.find(key.op);
-    const auto found = op == op_index_by_name.end()
-        ? by_key.end()
-        : by_key.find(packed(op->second, key.call_index, key.output));
+    const int32_t found = by_key.find(key);
     TORCH_CHECK_VALUE(
-        found != by_key.end(),
+        found >= 0,
         "torch_sac: replay schedule rebuild #", rebuild, " (for ", describe_key(unpacked),
         ") keeps ", describe_key(key), ", which this rebuild does not make, or which "
         "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
         "on its way that backward still needs.");
-    allowed.insert(found->second);
+    allowed.insert(found);
   }
   return allowed;
 }
