@@ -23,6 +23,13 @@ Policies (``--policies``, comma-separated):
   used as the region policy for every block. ``F`` is a fraction of one
   block's un-checkpointed activation memory.
 
+* ``peak-F``: one ``sac_context`` around the whole step (model and loss)
+  with the peak plan ``torch_sac.policies.budget(step, peak_bytes=F *
+  peak(none))``: what forward keeps and how backward rebuilds, multiple
+  recomputation included, for the measured peak of the step. The check
+  printed for it is ``peak(peak-F) <= F * peak(none)``; a fraction below
+  the least peak any region reaches is reported and skipped.
+
 The budget bounds what each region keeps; the check printed for it is
 ``activations(budget-F) <= activations(recompute_all) + blocks * budget``:
 what checkpointing keeps anyway (block inputs, un-checkpointed embedding,
@@ -49,7 +56,7 @@ __all__ = ["main", "run"]
 
 DEFAULT_POLICIES = (
     "none", "torch_checkpoint", "recompute_all", "save_matmuls",
-    "budget-0.25", "budget-0.5", "budget-0.75",
+    "budget-0.25", "budget-0.5", "budget-0.75", "peak-0.4",
 )
 _FIXED = {
     "none": "no checkpointing",
@@ -72,9 +79,16 @@ def _parse_policies(text):
                 raise argparse.ArgumentTypeError(f"bad budget policy {n!r}: use budget-F, e.g. budget-0.5")
             if not (f >= 0):
                 raise argparse.ArgumentTypeError(f"bad budget fraction in {n!r}: must be >= 0")
+        elif n.startswith("peak-"):
+            try:
+                f = float(n[len("peak-"):])
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad peak policy {n!r}: use peak-F, e.g. peak-0.5")
+            if not (0 < f):
+                raise argparse.ArgumentTypeError(f"bad peak fraction in {n!r}: must be > 0")
         elif n not in _FIXED:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {n!r}; choose from {', '.join(_FIXED)} or budget-F"
+                f"unknown policy {n!r}; choose from {', '.join(_FIXED)}, budget-F or peak-F"
             )
         if n not in out:
             out.append(n)
@@ -87,7 +101,8 @@ def _parser():
         description="Profile one training step of a GPT-style model under several "
         "activation-checkpointing policies: memory, time, recompute, gradients.",
         epilog="Policies: none, torch_checkpoint, recompute_all, save_matmuls, budget-F "
-        "(F: fraction of a block's un-checkpointed activation memory). "
+        "(F: fraction of a block's un-checkpointed activation memory), peak-F (one region "
+        "around the step, planned for F times the step's peak without checkpointing). "
         "Example: python -m torch_sac --blocks 2 --policies none,save_matmuls,budget-0.5",
     )
     p.add_argument("--blocks", type=int, default=4, help="transformer blocks (default 4)")
@@ -137,6 +152,8 @@ class _Setup:
         self.blocks = args.blocks
         self.dropout_seed = args.seed + 2
         self.plans = {}
+        self.peak_plans = {}
+        self._plain_peak = None
 
     def block_input(self):
         with torch.no_grad():
@@ -152,9 +169,29 @@ class _Setup:
             self.plans[fraction] = self._base_plan.with_budget(fraction=fraction)
         return self.plans[fraction]
 
+    def loss(self, wrap=None):
+        logits = self.model(self.tokens, wrap)
+        return F.cross_entropy(logits.flatten(0, 1), self.targets.flatten())
+
+    def peak_plan(self, fraction):
+        """The peak plan for ``fraction`` of the step's peak without
+        checkpointing (a torch_sac.PeakPlan), or the planner's ValueError."""
+        if fraction not in self.peak_plans:
+            if self._plain_peak is None:
+                self._plain_peak = torch_sac.policies.budget(
+                    self.loss, peak_bytes=1 << 62).no_checkpoint_peak
+            try:
+                self.peak_plans[fraction] = torch_sac.policies.budget(
+                    self.loss, peak_bytes=int(fraction * self._plain_peak))
+            except ValueError as e:
+                self.peak_plans[fraction] = e
+        return self.peak_plans[fraction]
+
     def wrapper(self, name):
         if name == "none":
             return None
+        if name.startswith("peak-"):
+            return _WholeStep(self.peak_plan(float(name[len("peak-"):])))
         if name == "torch_checkpoint":
             return lambda block, x: checkpoint(block, x, use_reentrant=False)
         if name == "recompute_all":
@@ -175,14 +212,23 @@ class _Setup:
         self.model.zero_grad(set_to_none=True)
         torch.manual_seed(self.dropout_seed)
         with torch_sac.profile(timeline=timeline, flops=timeline, label=label) as prof:
-            logits = self.model(self.tokens, wrap)
-            loss = F.cross_entropy(logits.flatten(0, 1), self.targets.flatten())
-            del logits
+            if isinstance(wrap, _WholeStep):
+                with torch_sac.sac_context(wrap.plan):
+                    loss = self.loss()
+            else:
+                loss = self.loss(wrap)
             prof.end_forward()
             loss.backward()
             del loss
         grads = [p.grad for p in self.model.parameters()]
         return prof, grads
+
+
+class _WholeStep:
+    """A peak plan: one region around the whole step, not a per-block wrap."""
+
+    def __init__(self, plan):
+        self.plan = plan
 
 
 def _grad_diff(grads, ref):
@@ -221,6 +267,12 @@ def _run(args, out):
         notes.append("added 'recompute_all': the reference for the budget bound")
     setup = _Setup(args)
     wraps = {n: setup.wrapper(n) for n in names}  # plans the budgets (one profiling run)
+    for n in [n for n in names if n.startswith("peak-")]:
+        if isinstance(wraps[n].plan, ValueError):
+            notes.append(f"skipped {n}: {str(wraps[n].plan).split(': ', 1)[1]}")
+            names.remove(n)
+            del wraps[n]
+    peaks = [n for n in names if n.startswith("peak-")]
 
     out(
         f"torch {torch.__version__}, torch_sac adapter {torch_sac.adapter()}, {args.threads} thread(s); "
@@ -290,6 +342,19 @@ def _run(args, out):
             "bound_bytes": bound,
             "within_bound": results[n]["activation_bytes"] <= bound,
         }
+    for n in peaks:
+        plan = wraps[n].plan
+        results[n]["peak_plan"] = {
+            "fraction": float(n[len("peak-"):]),
+            "peak_budget_bytes": plan.peak_bytes,
+            "planned_peak_bytes": plan.measured_peak,
+            "replay_budget_bytes": plan.replay_budget.bytes if plan.replay_budget else None,
+            "saved_calls": None if plan.saved is None else len(plan.saved),
+            "solver": plan.solver,
+            "optimal": plan.optimal,
+            "planning_runs": plan.runs,
+            "within_bound": results[n]["peak_bytes"] <= plan.peak_bytes,
+        }
     elapsed = time.perf_counter() - started
 
     _print_table(results, names, out)
@@ -307,6 +372,21 @@ def _run(args, out):
                 f"{format_bytes(results[n]['activation_bytes'])} <= {format_bytes(b['bound_bytes'])}: "
                 f"{'ok' if b['within_bound'] else 'EXCEEDED'}"
             )
+    if peaks:
+        out("")
+        out("peak plans (one region around the step: model and loss) and the bound "
+            "peak <= F x peak(none):")
+        for n in peaks:
+            b = results[n]["peak_plan"]
+            budget_text = ("nothing dropped" if b["replay_budget_bytes"] is None else
+                           f"keeps {b['saved_calls']} op calls in forward, backward holds at most "
+                           f"{format_bytes(b['replay_budget_bytes'])}")
+            out(
+                f"  {n:<13} {budget_text} ({b['solver']}{', optimal' if b['optimal'] else ''}; "
+                f"{b['planning_runs']} planning runs); measured peak "
+                f"{format_bytes(results[n]['peak_bytes'])} <= {format_bytes(b['peak_budget_bytes'])}: "
+                f"{'ok' if b['within_bound'] else 'EXCEEDED'}"
+            )
     details = args.details
     if details is None:
         details = budgets[len(budgets) // 2] if budgets else ("save_matmuls" if "save_matmuls" in names else "none")
@@ -318,12 +398,13 @@ def _run(args, out):
             out(profiles[details].table(max_rows=10))
     ok = all(r["grad_bitwise_equal"] for r in results.values()) and all(
         results[n]["budget"]["within_bound"] for n in budgets
-    )
+    ) and all(results[n]["peak_plan"]["within_bound"] for n in peaks)
     out("")
     out(
         f"gradients bitwise equal to no checkpointing for every policy: "
         f"{all(r['grad_bitwise_equal'] for r in results.values())}"
         + (f"; budget bounds hold: {all(results[n]['budget']['within_bound'] for n in budgets)}" if budgets else "")
+        + (f"; peak bounds hold: {all(results[n]['peak_plan']['within_bound'] for n in peaks)}" if peaks else "")
         + f" ({elapsed:.1f} s)"
     )
     data = {
