@@ -494,6 +494,7 @@ def plot_tradeoff(results, names, profiles, path, args=None):
     budgets = [n for n in names if n.startswith("budget-")]
     if budgets:
         shown.append(budgets[len(budgets) // 2])
+    shown += [n for n in names if n.startswith("peak-")][:1]  # with its replay-budget line
     shown = shown or names[:4]
     _plot_timelines(ax2, {n: profiles[n]._results("plot") for n in shown}, highlight=None)
     ax2.set_title("Memory over one profiled step (per-op sampling slows it down)", fontsize=10)
