@@ -81,6 +81,27 @@ class PeakPlan:
             bound is in steps of the chain, proven by Revolve's recursion).
         solve_seconds: time the region spent choosing what rebuilds keep.
         measure_seconds, runs: the measured runs that found the budget.
+
+    Example:
+        >>> def step():
+        ...     return loss_fn(model(tokens))
+        >>> plan = torch_sac.policies.budget(step, peak_bytes=8 << 30)
+        >>> print(plan.table())
+        >>> with torch_sac.sac_context(plan):
+        ...     loss = step()
+        >>> loss.backward()
+        >>> plan.save("plan.json")  # torch_sac.PeakPlan.load("plan.json")
+
+    Caveats:
+        * A plan is for the program and shapes it measured: run the same
+          code in the region (here the loss too). Op calls it did not see
+          are recomputed; the budget still bounds what backward holds, but
+          the peak is only checked for what was measured.
+        * One outermost region: nested in another region it raises; the
+          drop-in contexts and ``apply_sac`` do not take it. Under
+          ``torch.compile`` only its forward policy applies (a warning).
+        * Planning runs ``fn`` forward and backward 11-30 times (BatchNorm
+          running statistics move each time; the RNG state is restored).
     """
 
     def __init__(self, *, peak_bytes, measured_peak, no_checkpoint_peak, replay_budget, saved,
