@@ -25,6 +25,8 @@ import torch_sac
 import torch_sac.region
 from torch_sac.models import TinyGPT
 
+from test_adversarial_replay import assert_same
+
 try:
     from hypothesis import HealthCheck, given, settings, strategies as st
     HAVE_HYPOTHESIS = True
@@ -53,18 +55,6 @@ def assert_clean():
     assert torch_sac.region._stack() == [], "a region stayed on the stack"
     assert torch._C._len_torch_dispatch_stack() == 0, "a dispatch mode stayed installed"
     assert torch.is_grad_enabled()
-
-
-def assert_same(got, want, what="gradient"):
-    assert len(got) == len(want), f"{what}: {len(got)} vs {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g is None or w is None:
-            assert g is None and w is None, f"{what} {i}: {g is None} vs {w is None}"
-            continue
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{what} {i}"
-        if not torch.equal(g, w):
-            diff = (g.double() - w.double()).abs().max().item()
-            raise AssertionError(f"{what} {i}: not bitwise equal (max abs diff {diff:.3g})")
 
 
 def backward_on_a_thread(loss, **kwargs):
