@@ -517,13 +517,10 @@ std::unordered_set<int32_t> Region::memos_within_budget(
       tail_bytes += storages_[s].nbytes;
     }
   }
-  const std::vector<size_t> chosen =
+  const CheckpointChoice choice =
       choose_checkpoints(cuts, cost, free_bytes, tail_bytes, checkpoint_share_);
-  const bool any_checkpoint = std::any_of(
-      cuts.begin(), cuts.end(), [](const ReplayCut& cut) { return cut.bytes > 0; });
-  if (any_checkpoint && free_bytes > 0 && !uses_optimal_reversal(cuts)) {
-    ++stats_.spaced_choices;
-  }
+  stats_.spaced_choices += choice.spaced ? 1 : 0;
+  const std::vector<size_t>& chosen = choice.cuts;
   if (!chosen.empty()) {
     // Sweep again, collecting what crosses each chosen cut.
     std::unordered_set<int32_t> live;

@@ -141,37 +141,36 @@ std::vector<size_t> cuts_of_one_size(const std::vector<ReplayCut>& cuts) {
 
 } // namespace
 
-bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts) {
-  return !cuts_of_one_size(cuts).empty();
-}
-
-std::vector<size_t> choose_checkpoints(
+CheckpointChoice choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
     int64_t tail_bytes, double checkpoint_share) {
   if (cuts.empty() || total_cost <= 0 || free_bytes <= 0) {
     return {};
   }
-  if (uses_optimal_reversal(cuts)) {
+  const std::vector<size_t> chain = cuts_of_one_size(cuts);
+  if (!chain.empty()) {
     // One size (a chain of equal steps, a transformer's residual stream):
     // the optimal reversal, counting in steps between cuts, with what is
     // free after the tail the next unpacks need.
-    const std::vector<size_t> chain = cuts_of_one_size(cuts);
     int64_t largest = 0;
     for (size_t i : chain) {
       largest = std::max(largest, cuts[i].bytes);
     }
     const int64_t for_cuts = free_bytes - tail_bytes;
     const size_t slots = for_cuts <= 0 ? 1 : 1 + static_cast<size_t>(for_cuts / largest);
-    std::vector<size_t> picked;
+    CheckpointChoice choice;
     for (size_t k : optimal_first_sweep(chain.size(), slots)) {
-      picked.push_back(chain[k]);
+      choice.cuts.push_back(chain[k]);
     }
-    return picked;
+    return choice;
   }
   // The most windows whose cuts fit in the share of what is free (a binary
   // search: more windows pick more bytes, up to ties).
   const auto allowance = static_cast<int64_t>(static_cast<double>(free_bytes) * checkpoint_share);
-  std::vector<size_t> best;
+  CheckpointChoice choice;
+  choice.spaced = std::any_of(
+      cuts.begin(), cuts.end(), [](const ReplayCut& cut) { return cut.bytes > 0; });
+  std::vector<size_t>& best = choice.cuts;
   size_t low = 1;
   size_t high = std::min(cuts.size(), kMaxCheckpoints);
   while (low <= high) {
@@ -193,7 +192,7 @@ std::vector<size_t> choose_checkpoints(
       best = std::move(picked);
     }
   }
-  return best;
+  return choice;
 }
 
 } // namespace torch_sac::region

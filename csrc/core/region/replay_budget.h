@@ -41,14 +41,22 @@ constexpr double kDefaultCheckpointShare = 0.5;
 // A point of the replay between two ops where keeping `bytes` (the rebuilt
 // tensors produced before it and read after it) lets later replays start.
 struct ReplayCut {
-  double cost = 0;  // replay cost up to the cut (forward time of the ops)
+  double cost = 0;  // replay cost up to the cut (replay_cost.h's estimate)
   int64_t bytes = 0;
+};
+
+// The cuts to keep as checkpoints, ascending, and whether the spaced
+// heuristic chose them (cuts that hold something, of several sizes) rather
+// than the optimal reversal.
+struct CheckpointChoice {
+  std::vector<std::size_t> cuts;
+  bool spaced = false;
 };
 
 // Cuts in replay order (non-decreasing cost), the replay's total cost, the
 // bytes free under the budget and the bytes of the tail after the last cut
-// (what the unpacks right after this one need): the indices of the cuts to
-// keep as checkpoints, ascending.
+// (what the unpacks right after this one need): which cuts to keep as
+// checkpoints.
 //  * Cuts of one size (within 1/8): the checkpoints the optimal reversal of
 //    a chain of equal steps keeps on this sweep (the recursion of Revolve),
 //    with what is free after the tail.
@@ -57,11 +65,7 @@ struct ReplayCut {
 //    depends on the program: keeping a transformer's whole residual stream
 //    leaves less for the blocks autograd needs next (a peak plan tries
 //    several, _peak_plan.py).
-// Whether choose_checkpoints takes the optimal-reversal path for these cuts
-// (cuts of one size, few enough for the table); otherwise it spaces them.
-bool uses_optimal_reversal(const std::vector<ReplayCut>& cuts);
-
-std::vector<std::size_t> choose_checkpoints(
+CheckpointChoice choose_checkpoints(
     const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
     int64_t tail_bytes = 0, double checkpoint_share = kDefaultCheckpointShare);
 
