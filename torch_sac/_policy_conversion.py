@@ -18,7 +18,9 @@ def as_op_policy(policy, where):
         return save_ops(list(policy))
     if callable(policy):
         return _C.python_policy(policy)
-    if type(policy).__name__ == "PeakPlan":
+    from ._peak_plan import PeakPlan  # it runs regions, which convert policies
+
+    if isinstance(policy, PeakPlan):
         raise TypeError(
             f"torch_sac.{where}: a PeakPlan runs as one region, with its replay budget: pass it "
             "to torch_sac.sac_context or torch_sac.checkpoint (plan.policy() is only its "

@@ -86,6 +86,17 @@ def _check_replay_budget(replay_budget, where):
     return ReplayBudget(int(replay_budget))
 
 
+def _unpack_plan(policy, replay_budget):
+    """A :class:`~torch_sac.PeakPlan` is its forward policy plus its replay
+    budget (a budget given explicitly overrides the plan's); any other
+    policy passes through."""
+    from ._peak_plan import PeakPlan  # it runs regions itself
+
+    if not isinstance(policy, PeakPlan):
+        return policy, replay_budget
+    return policy.policy(), policy.replay_budget if replay_budget is None else replay_budget
+
+
 class sac_context:
     """Selective activation checkpointing for the code inside a ``with`` block.
 
@@ -164,13 +175,9 @@ class sac_context:
                 "torch_sac.sac_context: allow_cache_entry_mutation must be a bool, "
                 f"got {allow_cache_entry_mutation!r}"
             )
-        from ._peak_plan import PeakPlan  # it runs regions itself
-
-        if isinstance(policy, PeakPlan):
-            # A plan brings its own replay budget; one given here overrides it.
-            if replay_budget is None and replay_schedule is None:
-                replay_budget = policy.replay_budget
-            policy = policy.policy()
+        policy, planned_budget = _unpack_plan(policy, replay_budget)
+        if replay_schedule is None:  # a schedule says what to keep, not a plan's budget
+            replay_budget = planned_budget
         self._policy = as_op_policy(policy, "sac_context")
         self._allow = allow_cache_entry_mutation
         self._replay_budget = _check_replay_budget(replay_budget, "sac_context")
@@ -355,11 +362,7 @@ def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, replay_budge
     """
     _check_replay_budget(replay_budget, "checkpoint")
     if torch.compiler.is_compiling():
-        from ._peak_plan import PeakPlan
-
-        if isinstance(policy, PeakPlan):
-            replay_budget = replay_budget or policy.replay_budget
-            policy = policy.policy()
+        policy, replay_budget = _unpack_plan(policy, replay_budget)
         if replay_budget is not None:
             _compile.warn_replay_budget_ignored()
         return _compile.checkpoint_when_compiling(
