@@ -203,6 +203,13 @@ class _ProfileMode(TorchDispatchMode):
         return out
 
 
+def cuda_devices(values):
+    """Indices of the CUDA devices of the tensors in ``values`` (a pytree),
+    sorted: the devices whose RNG state a run on them may change."""
+    return sorted({t.device.index or 0 for t in tree_leaves(values)
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+
+
 def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
     """Runs ``fn(*args, **kwargs)`` once, with grad enabled, and profiles it.
 
@@ -220,10 +227,7 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
         saved.append(t)
         return t
 
-    devices = sorted(
-        {t.device.index or 0 for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
-    )
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=cuda_devices((args, kwargs))), torch.enable_grad():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with mode:
                 out = fn(*args, **kwargs)

@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from . import _C, memory
-from ._op_profile import format_bytes
+from ._op_profile import cuda_devices, format_bytes
 from .region import ReplayBudget, in_region, sac_context
 from .schedule import ReplaySchedule, _call, read_json, write_json
 
@@ -233,10 +233,12 @@ class PeakPlan:
 class _Run:
     """One measured forward+backward of fn."""
 
-    def __init__(self, peak, seconds, forward_seconds, stats=None, schedule=None, details=()):
+    def __init__(self, peak, seconds, forward_seconds, output_device, stats=None, schedule=None,
+                 details=()):
         self.peak = peak
         self.seconds = seconds
         self.forward_seconds = forward_seconds
+        self.output_device = output_device
         self.stats = stats or {}
         self.schedule = schedule
         self.details = details
@@ -263,18 +265,21 @@ def _graph_leaves(outputs):
     return list(leaves.values())
 
 
-def _device_of(args, kwargs):
-    for t in tree_leaves((args, kwargs)):
+def _device_of(values):
+    """The device of the first tensor in ``values`` (a pytree), or None."""
+    for t in tree_leaves(values):
         if isinstance(t, torch.Tensor):
             return t.device
-    return torch.device("cpu")
+    return None
 
 
-def _measure(fn, args, kwargs, where, policy=None, replay_budget=None):
-    device = _device_of(args, kwargs)
-    cuda = [device.index or 0] if device.type == "cuda" else []
+def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
+    """One forward+backward of fn, its peak measured on ``device``."""
+    rng_devices = sorted(set(cuda_devices((args, kwargs)))
+                         | ({device.index or 0} if device.type == "cuda" else set()))
     region = None
-    with torch.random.fork_rng(devices=cuda), torch.enable_grad(), memory.track(device) as m:
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), \
+            memory.track(device) as m:
         start = time.perf_counter()
         if policy is None:
             out = fn(*args, **kwargs)
@@ -283,6 +288,7 @@ def _measure(fn, args, kwargs, where, policy=None, replay_budget=None):
                 out = fn(*args, **kwargs)
         forward_seconds = time.perf_counter() - start
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        output_device = _device_of(outputs)
         if not outputs:
             raise ValueError(
                 f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
@@ -298,9 +304,9 @@ def _measure(fn, args, kwargs, where, policy=None, replay_budget=None):
         del outputs
         seconds = time.perf_counter() - start
     if region is None:
-        return _Run(m.peak, seconds, forward_seconds)
-    return _Run(m.peak, seconds, forward_seconds, region.stats(), region.replay_schedule(),
-                region.op_details())
+        return _Run(m.peak, seconds, forward_seconds, output_device)
+    return _Run(m.peak, seconds, forward_seconds, output_device, region.stats(),
+                region.replay_schedule(), region.op_details())
 
 
 def _first_sweep(schedule):
@@ -328,11 +334,23 @@ class _Planner:
         self.peak_bytes, self.where = peak_bytes, where
         self.resolution = max(peak_bytes // 128, 1)
         self.measured = []
+        # The arguments' device; a closure over a model on another device
+        # shows its device in its outputs (plain_run measures again there).
+        self.device = _device_of((args, kwargs)) or torch.device("cpu")
 
     def run(self, policy=None, budget=None):
-        r = _measure(self.fn, self.args, self.kwargs, self.where, policy, budget)
+        r = _measure(self.fn, self.args, self.kwargs, self.where, self.device, policy, budget)
         self.measured.append(r)
         return r
+
+    def plain_run(self):
+        """fn without checkpointing, measured on the device it runs on."""
+        plain = self.run()
+        if plain.output_device is not None and plain.output_device != self.device:
+            self.device = plain.output_device
+            plain = self.run()
+        self.plain = plain
+        return plain
 
     def fits(self, run):
         return run.peak <= self.peak_bytes
@@ -424,7 +442,7 @@ class _Planner:
                 f"({format_bytes(self.peak_bytes)}) is below the least peak a region reaches "
                 f"here: {floor.peak} bytes ({format_bytes(floor.peak)}) recomputing everything "
                 "and holding only the tensor handed over (without checkpointing: "
-                f"{format_bytes(self.measured[0].peak)}). Raise peak_bytes, or shrink what the "
+                f"{format_bytes(self.plain.peak)}). Raise peak_bytes, or shrink what the "
                 "budget cannot control (batch size, gradients, the outputs).")
         return _Candidate(floor, [], budget, floor)
 
@@ -438,7 +456,7 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
             f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
             "sac_context is open on this thread: plan outside it")
     planner = _Planner(fn, args, kwargs, int(peak_bytes), where)
-    plain = planner.run()
+    plain = planner.plain_run()
     if planner.fits(plain):
         # As the plan runs: in a region saving everything (regions inside
         # fn merge into it, and their replays count).
