@@ -13,7 +13,6 @@ import contextlib
 import copy
 import functools
 import os
-import threading
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ import torch_sac
 import torch_sac.region
 from torch_sac.models import TinyGPT
 
-from test_adversarial_replay import assert_same
+from test_adversarial_replay import _leaves_grads, assert_same, on_threads
 
 try:
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -59,19 +58,20 @@ def assert_clean():
 
 def backward_on_a_thread(loss, **kwargs):
     """loss.backward() on another thread; its error, if any, is raised here."""
-    errors = []
+    with on_threads(lambda i: loss.backward(**kwargs)):
+        pass
 
-    def target():
-        try:
-            loss.backward(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            errors.append(e)
 
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
+def backward(loss, how):
+    """Backward as ``how`` says: "plain", "retain" (twice, retaining the graph
+    the first time: gradients accumulate) or "thread" (on another thread)."""
+    if how == "retain":
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif how == "thread":
+        backward_on_a_thread(loss)
+    else:
+        loss.backward()
 
 
 def weighted(out):
@@ -596,18 +596,8 @@ def nested_program(n=12, width=16, batch=8, seed=0):
 def _grads(fn, leaves, how="plain"):
     torch.manual_seed(1)
     out = fn()
-    loss = weighted(out)
-    if how == "retain":
-        loss.backward(retain_graph=True)
-        loss.backward()
-    elif how == "thread":
-        backward_on_a_thread(loss)
-    else:
-        loss.backward()
-    g = [None if t.grad is None else t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    return g
+    backward(weighted(out), how)
+    return _leaves_grads(leaves)
 
 
 @pytest.mark.parametrize("outer", ["recompute_all", "save_matmuls"])
@@ -846,18 +836,9 @@ def _run_program(fn, leaves, running, reset, outer=None, how="plain", track=Fals
                 out = fn()
         loss = weighted(out)
         del out
-        if how == "retain":
-            loss.backward(retain_graph=True)
-            loss.backward()
-        elif how == "thread":
-            backward_on_a_thread(loss)
-        else:
-            loss.backward()
+        backward(loss, how)
         del loss
-    grads = [None if t.grad is None else t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    return grads, [b.clone() for b in running], region, (m.peak if track else None)
+    return _leaves_grads(leaves), [b.clone() for b in running], region, (m.peak if track else None)
 
 
 if HAVE_HYPOTHESIS:

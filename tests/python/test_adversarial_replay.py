@@ -8,6 +8,7 @@ them; a bug still open would be ``xfail(strict=True)`` with the precise
 symptom in ``reason``.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -177,26 +178,39 @@ def test_autograd_grad_input_subsets_then_full(budget):
     assert_clean()
 
 
+@contextlib.contextmanager
+def on_threads(work, count=1, timeout=30):
+    """Runs ``work(i)`` on ``count`` threads while the block runs; after it,
+    fails if one of them hung and raises the first error one raised."""
+    errors = []
+
+    def target(i):
+        try:
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "hung"
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize("budget", [0, 1000])
 def test_backward_on_another_thread(budget):
     fn, leaves, size = tanh_chain(6)
 
     def backward(out):
         loss = weighted_loss(out)
-        errors = []
-
-        def work():
-            try:
-                loss.backward()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        t = threading.Thread(target=work)
-        t.start()
-        t.join(30)
-        assert not t.is_alive(), "backward hung on another thread"
-        if errors:
-            raise errors[0]
+        with on_threads(lambda i: loss.backward()):
+            pass
 
     compare(fn, leaves, budget, backward=backward)
 
@@ -212,21 +226,12 @@ def test_two_backwards_concurrently_on_two_threads_of_one_graph():
         out = fn()
     loss = weighted_loss(out)
     results = [None, None]
-    errors = []
 
     def work(i):
-        try:
-            results[i] = torch.autograd.grad(loss, leaves, retain_graph=True)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        results[i] = torch.autograd.grad(loss, leaves, retain_graph=True)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "hung"
-    assert not errors, errors
+    with on_threads(work, count=2):
+        pass
     for r in results:
         assert_same(list(r), list(want))
 
@@ -1418,7 +1423,7 @@ def test_outside_tensor_modified_during_backward_raises_or_is_exact(budget):
 def test_two_threads_each_with_its_own_budgeted_region():
     """Regions are thread-local: two threads run forward and backward of
     their own budgeted regions at the same time."""
-    results, errors = {}, []
+    results = {}
     fns = {i: tanh_chain(6, seed=10 + i) for i in range(2)}
     want = {}
     for i, (fn, leaves, size) in fns.items():
@@ -1426,25 +1431,17 @@ def test_two_threads_each_with_its_own_budgeted_region():
     barrier = threading.Barrier(2)
 
     def work(i):
-        try:
-            fn, leaves, size = fns[i]
-            barrier.wait(10)
-            for _ in range(3):
-                with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=[0, size][i]):
-                    out = fn()
-                weighted_loss(out).backward()
-                results.setdefault(i, []).append(_leaves_grads(leaves))
-            assert torch_sac.region._stack() == []
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        fn, leaves, size = fns[i]
+        barrier.wait(10)
+        for _ in range(3):
+            with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=[0, size][i]):
+                out = fn()
+            weighted_loss(out).backward()
+            results.setdefault(i, []).append(_leaves_grads(leaves))
+        assert torch_sac.region._stack() == []
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "hung"
-    assert not errors, errors
+    with on_threads(work, count=2):
+        pass
     for i in range(2):
         for got in results[i]:
             assert_same(got, want[i])
@@ -1544,23 +1541,12 @@ def test_backward_on_another_thread_while_the_region_records(budget):
     want1 = _leaves_grads(leaves1)
     weighted_loss(fn2()).backward()
     want2 = _leaves_grads(leaves2)
-    errors = []
     kw = {} if budget is None else {"replay_budget": budget}
     with torch_sac.sac_context(RECOMPUTE_ALL(), **kw):
         out1 = fn1()
         loss1 = weighted_loss(out1)
-        def work():
-            try:
-                loss1.backward()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        t = threading.Thread(target=work)
-        t.start()
-        out2 = fn2()
-        t.join(30)
-        assert not t.is_alive(), "hung"
-    assert not errors, errors
+        with on_threads(lambda i: loss1.backward()):
+            out2 = fn2()
     assert_same(_leaves_grads(leaves1), want1)
     weighted_loss(out2).backward()
     assert_same(_leaves_grads(leaves2), want2)
