@@ -5,8 +5,17 @@
 namespace torch_sac {
 namespace {
 
+// Nested tensors and symbolic shapes have no concrete sizes to read (sizes()
+// throws): their calls count 0, like ops the formulas do not know.
 c10::IntArrayRef shape(const c10::IValue& v) {
-  return v.isTensor() && v.toTensor().defined() ? v.toTensor().sizes() : c10::IntArrayRef();
+  if (!v.isTensor()) {
+    return {};
+  }
+  const at::Tensor& t = v.toTensor();
+  if (!t.defined() || t.is_nested() || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return {};
+  }
+  return t.sizes();
 }
 
 // (m, k) @ (k, n): 2mnk, as flop_counter counts (multiply and add).

@@ -6,6 +6,8 @@ Exactness is checked bitwise against plain autograd; the number of
 recomputed steps against an exact dynamic program for chains
 (chain_oracle.py), written independently of the engine."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -413,3 +415,21 @@ def test_nested_regions_recompute_inner_ops_again_and_the_profile_shows_it():
             assert prof_row["most_replays"] == 1
     assert peaks[True] < peaks[False]
 
+
+
+@pytest.mark.parametrize("replay_budget", [0, torch_sac.ReplayBudget(0, counts_saved=True)])
+def test_budgeted_region_runs_ops_on_nested_tensors_as_outside(replay_budget):
+    # An op on nested tensors is not recorded for replay (the region keeps
+    # what it saves); the budget's cost estimate read its sizes anyway and
+    # raised "NestedTensorImpl doesn't support sizes" on bmm.
+    def run(ctx):
+        torch.manual_seed(0)
+        a = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], requires_grad=True)
+        b = torch.nested.nested_tensor([torch.randn(4, 5), torch.randn(4, 5)], requires_grad=True)
+        with ctx:
+            z = torch.bmm(a, b).sin()
+        torch.nested.to_padded_tensor(z, 0).sum().backward()
+        return [torch.nested.to_padded_tensor(t.grad, 0) for t in (a, b)]
+
+    want = run(contextlib.nullcontext())
+    assert_bitwise(run(torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=replay_budget)), want)

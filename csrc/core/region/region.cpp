@@ -424,9 +424,6 @@ void Region::handle(
   const auto entry_index = static_cast<int32_t>(entries_.size());
   Entry entry{op, op_index, call_index};
   entry.scope = scope_;
-  if (replay_budget_ != kNoReplayBudget) {
-    entry.replay_cost = estimated_replay_cost(op, inputs, outputs);
-  }
   if (!recordable || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.
@@ -435,6 +432,11 @@ void Region::handle(
     }
     entries_.push_back(std::move(entry));
     return;
+  }
+  if (replay_budget_ != kNoReplayBudget) {
+    // Only for entries a replay may run, whose tensors are all strided with
+    // sizes (nested tensors have none for the FLOP formulas to read).
+    entry.replay_cost = estimated_replay_cost(op, inputs, outputs);
   }
   const bool save = is_save(decision);
 
