@@ -1,7 +1,13 @@
 """Builds torch_sac by driving CMake against the installed torch.
 
-Install without build isolation so the build sees that torch:
+Install without build isolation so the build sees that torch (and pip never
+installs another one):
     pip install --no-build-isolation -e .
+
+The torch release it was built against is written to torch_sac/_build_info.py;
+``import torch_sac`` refuses to load under any other release.
+GoogleTest binaries are built only with TORCH_SAC_BUILD_TESTS=ON
+(scripts/setup.sh sets it).
 """
 
 import os
@@ -28,7 +34,13 @@ class CMakeBuild(build_ext):
         output = Path(self.get_ext_fullpath(ext.name)).resolve()
         output.parent.mkdir(parents=True, exist_ok=True)
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        build_tests = os.environ.get("TORCH_SAC_BUILD_TESTS", "ON")
+        import torch  # the installed torch: the one this build is for
+
+        (ROOT / "torch_sac" / "_build_info.py").write_text(
+            "# Written by setup.py at build time; not tracked.\n"
+            f"BUILT_WITH_TORCH = {torch.__version__!r}\n"
+        )
+        build_tests = os.environ.get("TORCH_SAC_BUILD_TESTS", "OFF")
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(BUILD_DIR),
             f"-DPython3_EXECUTABLE={sys.executable}",

@@ -7,8 +7,25 @@ process uses.
 import torch  # noqa: F401  (loads libtorch before the extension)
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _C, _compile, memory, policies
-from ._adapter import adapter
+from . import _compat
+
+try:
+    from ._build_info import BUILT_WITH_TORCH as _BUILT_WITH_TORCH
+except ImportError:  # built without setup.py (a bare CMake build): _C says below
+    _BUILT_WITH_TORCH = None
+if _BUILT_WITH_TORCH is not None:
+    # Before loading _C: under another torch it may not even load.
+    _compat.check_built_with(_BUILT_WITH_TORCH)
+
+from . import _C  # noqa: E402
+
+_compat.check_built_with(_C.built_with_torch())
+# The installed torch's SAC_IGNORED_OPS joins torch_sac's own set before any
+# region exists (torch 2.15 adds prim.layout.default).
+_C.add_ignored_ops(_compat.sac_ignored_ops())
+
+from . import _compile, memory, policies  # noqa: E402
+from ._adapter import adapter, adapter_reason
 from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
@@ -28,6 +45,7 @@ __all__ = [
     "ReplaySchedule",
     "TensorKey",
     "adapter",
+    "adapter_reason",
     "apply_sac",
     "checkpoint",
     "create_selective_checkpoint_contexts",

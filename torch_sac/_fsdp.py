@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from . import _compat
+
 __all__ = ["units_seen"]
 
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
@@ -38,7 +40,7 @@ class _UnitsSeen:
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
 
     def _seen(self, module, args):
-        if torch.compiler.is_compiling():
+        if _compat.is_compiling():
             return  # traced code: not a unit running in this region
         if isinstance(module, self._cls) and threading.get_ident() == self._thread:
             self._units.append(weakref.ref(module))
@@ -64,7 +66,7 @@ class _Restorer:
             unit = ref()
             if unit is None:
                 continue
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for group in _compat.fsdp_param_groups(unit._get_fsdp_state()):
                 for param in group.fsdp_params:
                     outputs = getattr(param, "all_gather_outputs", None) or ()
                     if any(out.untyped_storage()._cdata == key for out in outputs):

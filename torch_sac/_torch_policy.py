@@ -28,7 +28,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import _C
+from . import _C, _compat
 from .scopes import ANNOTATION_PREFIX
 
 __all__ = ["TorchPolicy"]
@@ -125,7 +125,7 @@ class TorchPolicy:
                 counts = self._counts[mode] = {}
             index = counts.get(op, 0)
             counts[op] = index + 1
-        names = _traced_names() if torch.compiler.is_compiling() else None
+        names = _traced_names() if _compat.is_compiling() else None
         value = self._policy._decide_torch(
             op, args, kwargs, getattr(ctx, "op_output", None), index, names
         )

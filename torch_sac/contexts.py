@@ -1,11 +1,14 @@
 """A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
 
+import gc
+import inspect
+import sys
 import weakref
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _C
+from . import _C, _compat
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .region import _observers
@@ -32,20 +35,34 @@ class _SelectiveContext:
         # On the forward context: weak, so a graph kept alive does not keep
         # a finished profile alive.
         self._told = ()
+        self._entered = False
+        self._exit_watch = None
+        self._generator_frame = None
 
     def __enter__(self):
         self._mode.__enter__()
+        self._entered = True
         if self._forward is None:
             observers = list(_observers())
             self._told = tuple(weakref.ref(o) for o in observers)
             for observer in observers:
                 observer._region_entered(self)
+            self._watch_checkpoint_frame(sys._getframe(1))
         else:
             for observer in self._forward._observers_told():
                 observer._recompute_entered(self._forward)
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if not self._entered:
+            # Exited already, when torch's checkpoint() ended by an error
+            # (torch <= 2.12); this is its generator being closed late.
+            return False
+        self._entered = False
+        self._generator_frame = None
+        if self._exit_watch is not None:
+            _C.unwatch_frame_exit(self._exit_watch)
+            self._exit_watch = None
         try:
             return self._mode.__exit__(exc_type, exc, tb)
         finally:
@@ -55,6 +72,29 @@ class _SelectiveContext:
             else:
                 for observer in self._forward._observers_told():
                     observer._recompute_exited(self._forward)
+
+    def _watch_checkpoint_frame(self, frame):
+        """torch <= 2.12: when torch's checkpoint() ends while this context is
+        still entered (its function raised), close torch's generator then, as
+        torch 2.13 does, instead of whenever the garbage collector does."""
+        checkpoint_frame = _compat.checkpoint_frame_entering(frame)
+        if checkpoint_frame is not None:
+            self._generator_frame = frame
+            self._exit_watch = _C.watch_frame_exit(checkpoint_frame, self._exit_after_error)
+
+    def _exit_after_error(self):
+        self._exit_watch = None
+        frame, self._generator_frame = self._generator_frame, None
+        if not self._entered:
+            return
+        # Closing the generator exits torch's own saved-tensor hooks too. An
+        # error path only, so a scan for the generator object is affordable.
+        for referrer in gc.get_referrers(frame):
+            if inspect.isgenerator(referrer) and referrer.gi_frame is frame:
+                referrer.close()
+                break
+        if self._entered:  # the generator was not found: exit this one alone
+            self.__exit__(RuntimeError, None, None)
 
     def _observers_told(self):
         return [o for o in (ref() for ref in self._told) if o is not None]
@@ -166,7 +206,7 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
             f"allow_cache_entry_mutation must be a bool, got {allow_cache_entry_mutation!r}"
         )
     policy = as_op_policy(policy_fn_or_list, "create_selective_checkpoint_contexts")
-    if torch.compiler.is_compiling():
+    if _compat.is_compiling():
         # torch.compile calls context_fn while AOTAutograd traces the region
         # and needs PyTorch's own modes there (it turns their decisions into
         # partitioner tags); the same policy answers them via to_torch().

@@ -1,13 +1,17 @@
 #include "ignored_ops.h"
 
 #include <algorithm>
+#include <mutex>
 
 namespace torch_sac {
+namespace {
 
-const std::vector<c10::OperatorName>& ignored_op_names() {
-  // torch.utils.checkpoint.SAC_IGNORED_OPS in torch 2.13: detach, prim::device
-  // and FunctionalTensor.metadata_fns.
-  static const std::vector<c10::OperatorName> names = {
+std::vector<c10::OperatorName> base_names() {
+  // torch.utils.checkpoint.SAC_IGNORED_OPS as of torch 2.13: detach,
+  // prim::device and FunctionalTensor.metadata_fns. torch_sac's Python layer
+  // adds the installed torch's own set at import (add_ignored_ops), so a
+  // release that extends it (2.15: prim::layout) is followed without a copy.
+  return {
       {"aten::detach", ""},
       {"prim::device", ""},
       {"aten::dim", ""},
@@ -21,10 +25,32 @@ const std::vector<c10::OperatorName>& ignored_op_names() {
       {"aten::storage_offset", ""},
       {"aten::sym_numel", ""},
       {"aten::sym_size", ""},
-      {"aten::sym_storage_offset", ""},
       {"aten::sym_stride", ""},
+      {"aten::sym_storage_offset", ""},
   };
+}
+
+std::mutex names_mutex;
+
+std::vector<c10::OperatorName>& mutable_names() {
+  static std::vector<c10::OperatorName> names = base_names();
   return names;
+}
+
+} // namespace
+
+const std::vector<c10::OperatorName>& ignored_op_names() {
+  return mutable_names();
+}
+
+void add_ignored_ops(const std::vector<c10::OperatorName>& extra) {
+  std::lock_guard<std::mutex> lock(names_mutex);
+  auto& names = mutable_names();
+  for (const auto& name : extra) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      names.push_back(name);
+    }
+  }
 }
 
 bool is_ignored_op(const c10::OperatorName& name) {

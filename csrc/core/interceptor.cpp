@@ -1,5 +1,7 @@
 #include "interceptor.h"
 
+#include "torch_compat.h"
+
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -103,6 +105,12 @@ std::string key_adapter_unavailable_reason() {
     }
   }
   return "";
+}
+
+bool key_adapter_runs_below_modes() {
+  static_assert(kInterceptKey == c10::DispatchKey::Fake,
+                "torch_compat.h describes DispatchKey::Fake's position");
+  return compat::kFakeKeyBelowPython;
 }
 
 void install_key_adapter() {

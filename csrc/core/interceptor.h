@@ -62,6 +62,12 @@ constexpr c10::DispatchKey kInterceptKey = c10::DispatchKey::Fake;
 // Why the key adapter cannot be used with the loaded torch, or "" if it can.
 std::string key_adapter_unavailable_reason();
 
+// Whether the key adapter intercepts ops after TorchDispatchModes have seen
+// them, as the Python-key adapter does (torch >= 2.13; see torch_compat.h).
+// Where it does not, the key adapter still works but runs before the modes,
+// so "auto" picks the Python-key adapter there.
+bool key_adapter_runs_below_modes();
+
 // Registers the boxed fallback on kInterceptKey (idempotent). Raises when
 // key_adapter_unavailable_reason() is not empty.
 void install_key_adapter();

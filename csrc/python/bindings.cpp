@@ -12,6 +12,7 @@
 #include "csrc/core/region/region.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
+#include "frame_exit_watch.h"
 #include "policy_library.h"
 #include "python_key_adapter.h"
 #include "python_policy.h"
@@ -264,12 +265,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);
   m.def("install_key_adapter", &install_key_adapter);
+  m.def("key_adapter_runs_below_modes", &key_adapter_runs_below_modes);
+  m.def("built_with_torch", [] { return std::string(TORCH_SAC_TORCH_VERSION); },
+        "The torch release (major.minor.patch) whose headers this module was built with.");
   m.def("push_key_handler", &push_key_handler);
   m.def("pop_key_handler", [](const std::shared_ptr<OpHandler>& h) {
     pop_key_handler(h.get());
   });
   m.def("key_handler_depth", &key_handler_depth);
   python::register_handler_mode_base(m);
+  python::register_frame_exit_watch(m);
 
   m.def("register_policy_enums", &python::register_policy_enums);
   m.def("python_policy", &python::make_python_policy);
@@ -285,6 +290,16 @@ PYBIND11_MODULE(_C, m) {
     }
     return names;
   });
+  m.def("add_ignored_ops",
+        [](const std::vector<std::pair<std::string, std::string>>& names) {
+          std::vector<c10::OperatorName> ops;
+          for (const auto& [name, overload] : names) {
+            ops.emplace_back(name, overload);
+          }
+          add_ignored_ops(ops);
+        },
+        py::arg("names"),
+        "Adds (\"ns::name\", overload) pairs to the ignored set; import time only.");
 
   // ---- Memory measurement (csrc/core/counting_allocator.h; Python API in
   // ---- torch_sac/memory.py) --------------------------------------------

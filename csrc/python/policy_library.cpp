@@ -18,12 +18,17 @@ namespace py = pybind11;
 namespace torch_sac::python {
 namespace {
 
-// The op's outputs as IValues, from the Python object the op returned.
+// The op's outputs as IValues, from the Python object the op returned;
+// none when `output` is None: PyTorch's SAC of torch <= 2.11 asks its
+// policy_fn before the op runs (see torch_sac/_compat.py).
 std::vector<c10::IValue> outputs_from_python(
     const c10::FunctionSchema& schema,
     const py::handle& output) {
   const auto& returns = schema.returns();
   std::vector<c10::IValue> values;
+  if (output.is_none() && !returns.empty() && !returns[0].type()->isSubtypeOf(*c10::NoneType::get())) {
+    return values;
+  }
   values.reserve(returns.size());
   if (returns.size() == 1) {
     values.push_back(torch::jit::toIValue(output, returns[0].type()));

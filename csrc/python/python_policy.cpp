@@ -148,8 +148,13 @@ class PythonPolicy final : public OpPolicy {
       op = overload_for(call.op);
       std::tie(call_args, kwargs) = args_kwargs_from_stack(call.op, call.inputs, 2);
     }
-    call_args[0] = make_context(torch::jit::createPyObjectForStack(
-        torch::jit::Stack(call.outputs.begin(), call.outputs.end())));
+    // No outputs for an op that has some: PyTorch's SAC (torch <= 2.11)
+    // asked before the op ran, and its own ctx has no op_output then.
+    const bool outputs_known = !call.outputs.empty() || call.op.schema().returns().empty();
+    call_args[0] = make_context(
+        outputs_known ? torch::jit::createPyObjectForStack(
+                            torch::jit::Stack(call.outputs.begin(), call.outputs.end()))
+                      : py::none());
     call_args[1] = op;
     PyObject* result = PyObject_Call(fn_.ptr(), call_args.ptr(), kwargs.ptr());
     if (!result) {

@@ -343,6 +343,11 @@ def _dispatch_state():
         str(torch._C._dispatch_tls_local_include_set()),
         str(torch._C._dispatch_tls_local_exclude_set()),
         torch.is_grad_enabled(),
+        # saved-tensor hooks (regions, torch's checkpoint) and torch_sac's
+        # frame-exit watches (torch <= 2.12's checkpoint, see contexts.py)
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        torch_sac._C.frame_exit_watches(),
+        sys.getprofile() is not None,
     )
 
 

@@ -1,0 +1,25 @@
+#pragma once
+// Runs a callback when a given Python frame of this thread ends, by return or
+// by an exception unwinding it.
+//
+// Why: torch.utils.checkpoint of torch <= 2.12 enters its context_fn's
+// contexts inside a generator and, when the checkpointed function raises,
+// neither resumes nor closes that generator: the contexts stay entered until
+// the garbage collector closes it, later, maybe on another thread. torch_sac's
+// forward context watches the checkpoint() frame that entered it and exits
+// itself when that frame ends while it is still entered (torch >= 2.13 throws
+// the error into the generator instead; torch_sac/_compat.py).
+//
+// A C-level profile function (PyEval_SetProfile) is installed on this thread
+// only while a watch is pending, and calls any profile function that was set
+// before it (cProfile, a debugger's), which it restores afterwards.
+
+#include <pybind11/pybind11.h>
+
+namespace torch_sac::python {
+
+// Adds _C.watch_frame_exit(frame, callback) -> token and
+// _C.unwatch_frame_exit(token).
+void register_frame_exit_watch(pybind11::module_& m);
+
+} // namespace torch_sac::python

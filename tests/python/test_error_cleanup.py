@@ -1,0 +1,148 @@
+"""A forward that raises leaves nothing installed, on every torch release.
+
+torch.utils.checkpoint of torch <= 2.12 neither resumes nor closes the
+generator that entered context_fn's contexts when the checkpointed function
+raises; torch_sac's forward context closes it itself when torch's
+checkpoint() frame ends (torch_sac/contexts.py). Each test here keeps the
+exception (and so its traceback and torch's generator) alive while it checks
+that nothing is left, as pytest, Jupyter (sys.last_traceback) or a logger
+holding the error would.
+"""
+
+import cProfile
+import functools
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tc
+
+import torch_sac
+
+from conftest import _dispatch_state
+
+
+class Boom(Exception):
+    pass
+
+
+def raising(x):
+    y = torch.relu(x @ x)
+    y = y * 2
+    raise Boom("raised inside the checkpointed forward")
+
+
+def _contexts():
+    return functools.partial(torch_sac.create_selective_checkpoint_contexts,
+                             torch_sac.policies.save_matmuls())
+
+
+def _torch_checkpoint(x):
+    return tc.checkpoint(raising, x, use_reentrant=False, context_fn=_contexts())
+
+
+def _region(x):
+    with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
+        return raising(x)
+
+
+def _sac_checkpoint(x):
+    return torch_sac.checkpoint(raising, x, policy=torch_sac.policies.save_matmuls())
+
+
+class _Raising(nn.Module):
+    def forward(self, x):
+        return raising(x)
+
+
+def _apply_dropin(x):
+    model = nn.Sequential(_Raising())
+    torch_sac.apply_sac(model, torch_sac.policies.save_matmuls(), modules=_Raising, engine="dropin")
+    return model(x)
+
+
+def _apply_region(x):
+    model = nn.Sequential(_Raising())
+    torch_sac.apply_sac(model, torch_sac.policies.save_matmuls(), modules=_Raising)
+    return model(x)
+
+
+ENTRY_POINTS = {
+    "torch_checkpoint_with_contexts": _torch_checkpoint,
+    "region": _region,
+    "torch_sac_checkpoint": _sac_checkpoint,
+    "apply_sac_dropin": _apply_dropin,
+    "apply_sac_region": _apply_region,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_error_in_forward_leaves_nothing_while_the_error_is_kept(entry):
+    before = _dispatch_state()
+    x = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(Boom) as kept:
+        ENTRY_POINTS[entry](x)
+    # The traceback (and torch's generator in it) is still alive here.
+    assert kept.value.__traceback__ is not None
+    assert _dispatch_state() == before
+    # The thread works as before: a checkpointed step is exact.
+    ref_x = x.detach().clone().requires_grad_()
+    (ref_x @ ref_x).relu().sum().backward()
+    y = tc.checkpoint(lambda t: (t @ t).relu(), x, use_reentrant=False, context_fn=_contexts())
+    y.sum().backward()
+    assert torch.equal(x.grad, ref_x.grad)
+    assert _dispatch_state() == before
+
+
+def test_error_under_a_profiler_keeps_the_profiler():
+    """The exit watch chains to a profile function set before it and puts it
+    back (torch <= 2.12); the profiler still sees the calls."""
+    profiler = cProfile.Profile()
+    x = torch.randn(4, 4, requires_grad=True)
+    profiler.enable()
+    try:
+        with pytest.raises(Boom):
+            _torch_checkpoint(x)
+        assert sys.getprofile() is profiler
+    finally:
+        profiler.disable()
+    assert sys.getprofile() is None
+    profiler.create_stats()
+    names = {func for (_, _, func) in profiler.stats}
+    assert "raising" in names
+
+
+def test_generator_closed_late_on_another_thread_is_harmless():
+    """Should torch's generator still be closed later (garbage collection on
+    another thread), the contexts are already out and nothing happens."""
+    x = torch.randn(4, 4, requires_grad=True)
+    errors = []
+    with pytest.raises(Boom) as kept:
+        _torch_checkpoint(x)
+    error = kept.value
+
+    def drop():
+        try:
+            nonlocal error
+            error = None
+            kept._excinfo = None
+            gc.collect()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert errors == []
+
+
+def test_normal_checkpoint_leaves_no_watch():
+    x = torch.randn(4, 4, requires_grad=True)
+    y = tc.checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False, context_fn=_contexts())
+    assert torch_sac._C.frame_exit_watches() == 0
+    assert sys.getprofile() is None
+    y.sum().backward()

@@ -1,0 +1,92 @@
+"""What torch_sac does differently per torch release (torch_sac/_compat.py,
+csrc/core/torch_compat.h), checked on whichever release runs the suite."""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.utils.checkpoint as tc
+
+import torch_sac
+from torch_sac import _C, _compat
+
+from conftest import REPO_ROOT
+
+
+def test_release_is_supported():
+    assert _compat.TORCH_RELEASE[:2] in _compat.SUPPORTED_RELEASES, (
+        f"torch {torch.__version__} is outside the supported range; add it to "
+        "SUPPORTED_RELEASES once the suite passes on it")
+
+
+def test_built_with_the_running_torch():
+    assert _compat._release(_C.built_with_torch()) == _compat.TORCH_RELEASE
+
+
+def test_another_release_is_refused_naming_both():
+    with pytest.raises(ImportError) as info:
+        _compat.check_built_with("2.9.1")
+    message = str(info.value)
+    assert "2.9.1" in message and torch.__version__ in message
+    assert "pip install --no-build-isolation" in message
+    # A local tag (+cpu, +cu130) is the same release.
+    release = ".".join(str(n) for n in _compat.TORCH_RELEASE)
+    _compat.check_built_with(release + "+cu130")
+
+
+def test_import_refuses_a_build_for_another_release(tmp_path):
+    """The check runs before the extension loads: a fake _build_info naming
+    another release stops the import with both releases in the message."""
+    package = os.path.join(REPO_ROOT, "torch_sac")
+    shadow = tmp_path / "torch_sac"
+    shadow.mkdir()
+    for name in os.listdir(package):
+        if name not in ("_build_info.py", "__pycache__"):
+            os.symlink(os.path.join(package, name), shadow / name)
+    (shadow / "_build_info.py").write_text("BUILT_WITH_TORCH = '2.9.1'\n")
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch_sac"], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert "built against torch 2.9.1" in result.stderr
+    assert torch.__version__ in result.stderr
+
+
+def test_torchs_ignored_ops_are_ignored():
+    """torch's own SAC_IGNORED_OPS, read at import, is part of the set
+    (torch 2.15 adds prim.layout.default)."""
+    assert set(tc.SAC_IGNORED_OPS) <= set(torch_sac.IGNORED_OPS)
+
+
+def test_adapter_choice_follows_the_key_position():
+    requested = os.environ.get("TORCH_SAC_ADAPTER", "auto") or "auto"
+    reason = torch_sac.adapter_reason()
+    assert reason
+    if requested == "auto":
+        expected = "key" if _C.key_adapter_runs_below_modes() else "python"
+        assert torch_sac.adapter() == expected, reason
+    else:
+        assert torch_sac.adapter() == requested, reason
+    # The dispatch key order of torch 2.13+ puts the key below Python.
+    assert _C.key_adapter_runs_below_modes() == (_compat.TORCH_RELEASE >= (2, 13))
+
+
+def test_policy_output_known_from_torchs_signature():
+    ctx_params = tc.SelectiveCheckpointContext.__init__.__code__.co_varnames
+    assert _compat.sac_policy_sees_output() == ("op_output" in ctx_params)
+
+
+def test_is_compiling_false_in_eager():
+    assert not _compat.is_compiling()
+
+
+def test_fsdp_param_groups_both_layouts():
+    group = object()
+    assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_groups=[group])) == [group]
+    assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []

@@ -1,0 +1,141 @@
+"""Differences between the torch releases torch_sac supports (2.11 to 2.15).
+
+Every place where torch_sac's Python layer depends on the installed torch's
+release goes through this module, and each difference names the releases on
+each side. Where torch exposes the fact itself (a set, a signature, an
+attribute), it is read from torch rather than from the version number. The
+C++ counterpart is ``csrc/core/torch_compat.h``.
+"""
+
+import inspect
+import re
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+__all__ = [
+    "SUPPORTED_RELEASES",
+    "TORCH_RELEASE",
+    "CHECKPOINT_CLOSES_CONTEXTS_ON_ERROR",
+    "check_built_with",
+    "checkpoint_frame_entering",
+    "fsdp_param_groups",
+    "is_compiling",
+    "sac_ignored_ops",
+    "sac_policy_sees_output",
+]
+
+
+def _release(version):
+    """``"2.11.0+cu130"`` -> ``(2, 11, 0)``; the local tag (+cpu, +cu130) is
+    the same release: same headers, same C++ ABI."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    if match is None:
+        raise ValueError(f"torch_sac: cannot read a torch release from {version!r}")
+    return tuple(int(g or 0) for g in match.groups())
+
+
+TORCH_RELEASE = _release(torch.__version__)
+
+#: The releases torch_sac is tested with (major, minor).
+SUPPORTED_RELEASES = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
+
+
+def check_built_with(built_with):
+    """Raise ImportError unless the running torch is the release torch_sac's
+    extension was built against. torch's C++ ABI differs between releases, so
+    a mismatch would crash or misbehave inside the dispatcher."""
+    if _release(built_with) != TORCH_RELEASE:
+        raise ImportError(
+            f"torch_sac was built against torch {built_with}, but torch "
+            f"{torch.__version__} is running. Rebuild it against this torch: "
+            "pip install --no-build-isolation -e . (from the torch_sac checkout), "
+            "or run with the torch it was built for."
+        )
+
+
+# --- PyTorch's SAC calling its policy_fn -------------------------------------
+# torch <= 2.11: policy_fn is called before the op runs, without
+#   ctx.op_output, and again during recompute (ctx.is_recompute=True);
+# torch >= 2.12: called after the op with ctx.op_output set, forward only
+#   (recompute looks decisions up by call index; 2.13 changed storage keys).
+# Read from SelectiveCheckpointContext's signature, not the version.
+_CTX_PARAMS = inspect.signature(_torch_checkpoint.SelectiveCheckpointContext.__init__).parameters
+
+
+def sac_policy_sees_output():
+    """Whether PyTorch's SAC hands ``ctx.op_output`` to ``policy_fn``."""
+    return "op_output" in _CTX_PARAMS
+
+
+def sac_ignored_ops():
+    """PyTorch's ``SAC_IGNORED_OPS`` as (``"ns::name"``, overload) pairs.
+
+    The set grows between releases (2.15 adds ``prim.layout.default``);
+    torch_sac ignores the union of its own set and the installed torch's.
+    """
+    pairs = []
+    for op in getattr(_torch_checkpoint, "SAC_IGNORED_OPS", ()):
+        schema = getattr(op, "_schema", None)
+        if schema is None:
+            continue
+        pairs.append((schema.name, schema.overload_name))
+    return pairs
+
+
+# --- torch.utils.checkpoint closing context_fn's contexts on error ------------
+# torch >= 2.13: when the checkpointed function raises, checkpoint() throws
+#   the error into the generator that entered the contexts, so they exit;
+# torch <= 2.12: it does neither, and the contexts stay entered until the
+#   garbage collector closes the generator (later, maybe on another thread).
+# Read from checkpoint()'s code (does it call gen.throw?), not the version.
+_CHECKPOINT_CODE = inspect.unwrap(_torch_checkpoint.checkpoint).__code__
+CHECKPOINT_CLOSES_CONTEXTS_ON_ERROR = "throw" in _CHECKPOINT_CODE.co_names
+_CONTEXT_GENERATOR_CODE = getattr(
+    _torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+_CONTEXT_GENERATOR_CODE = getattr(_CONTEXT_GENERATOR_CODE, "__code__", None)
+
+
+def checkpoint_frame_entering(frame):
+    """The frame of torch's ``checkpoint()`` whose context generator is
+    entering a context from ``frame``, or None when torch's checkpoint closes
+    its contexts on error itself (torch >= 2.13) or the context is entered
+    some other way."""
+    if CHECKPOINT_CLOSES_CONTEXTS_ON_ERROR or frame is None:
+        return None
+    if frame.f_code is not _CONTEXT_GENERATOR_CODE:
+        return None
+    caller = frame.f_back  # the frame running next(gen): checkpoint()
+    if caller is None or caller.f_code is not _CHECKPOINT_CODE:
+        return None
+    return caller
+
+
+# --- torch.compile ------------------------------------------------------------
+# torch >= 2.13: torch.compiler.is_compiling() is True while AOTAutograd
+#   traces (when torch.utils.checkpoint calls context_fn under compile);
+# torch <= 2.12: it is False there; AOTAutograd's tracing shows as an active
+#   proxy dispatch mode (what torch.utils.checkpoint itself checks).
+_AOT_TRACING_IS_COMPILING = TORCH_RELEASE >= (2, 13)
+
+
+def is_compiling():
+    """True while Dynamo traces, and while AOTAutograd traces on every release."""
+    if torch.compiler.is_compiling():
+        return True
+    if _AOT_TRACING_IS_COMPILING:
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+# --- FSDP2 --------------------------------------------------------------------
+# torch 2.11: an FSDP state holds one parameter group, `_fsdp_param_group`
+#   (None when the module has no parameters of its own);
+# torch >= 2.12: a list, `_fsdp_param_groups`.
+def fsdp_param_groups(state):
+    """The FSDP2 parameter groups of a module's FSDP state, as a list."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
