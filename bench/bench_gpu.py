@@ -192,6 +192,7 @@ class Row:
         self.install = install          # model, layers -> undo (None: nothing to install)
         self.plan_fraction = plan_fraction
         self.plan = None
+        self.plan_target = None
         self.note = ""
         self.error = None
         self.peaks, self.peaks_above, self.times, self.walls = [], [], [], []
@@ -494,6 +495,7 @@ def bench_model(args, dev, name, spec, deadline):
         t = time.perf_counter()
         try:
             row.plan = torch_sac.policies.budget(b.loss, peak_bytes=target)
+            row.plan_target = target
             plan_seconds = time.perf_counter() - t
             row.note = (f"target {fmt_bytes(target)}, planned {fmt_bytes(row.plan.measured_peak)}; "
                         f"{row.plan.solver}, {row.plan.recomputed_ops} replays; planned in {plan_seconds:.1f} s")
@@ -605,9 +607,18 @@ def table(header, rows, args):
                        peak_vs_torch_sac=peak / sac[0] if sac else None,
                        time_vs_torch_sac=t / sac[1] if sac else None)
             idle = f"{100 * r.idle:.0f}%" if r.idle is not None else "n/a"
+            note = r.note
+            if r.plan is not None:
+                # A plan's target bounds the step's peak above what was
+                # allocated before it (parameters, optimizer state), as the
+                # planner measures; the peak column is absolute.
+                above = max(r.peaks_above)
+                within = "within" if above <= r.plan_target else "OVER"
+                note = (f"step peak above start {fmt_bytes(above)} ({within} target); " + note)
+                rec.update(plan_target_bytes=r.plan_target, plan_within_target=above <= r.plan_target)
             md.append(f"| {r.name} | {fmt_bytes(peak)} | {ratio(peak, base[0]) if base else '-'} | "
                       f"{ratio(peak, sac[0]) if sac else '-'} | {t:.1f} | {ratio(t, base[1]) if base else '-'} | "
-                      f"{ratio(t, sac[1]) if sac else '-'} | {idle} | {r.grads} | {r.note} |")
+                      f"{ratio(t, sac[1]) if sac else '-'} | {idle} | {r.grads} | {note} |")
         else:
             md.append(f"| {r.name} | - | - | - | - | - | - | - | - | {r.error or 'not run'} |")
         records.append(rec)

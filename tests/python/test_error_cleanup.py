@@ -97,22 +97,46 @@ def test_error_in_forward_leaves_nothing_while_the_error_is_kept(entry):
     assert _dispatch_state() == before
 
 
-def test_error_under_a_profiler_keeps_the_profiler():
-    """The exit watch chains to a profile function set before it and puts it
-    back (torch <= 2.12); the profiler still sees the calls."""
+def test_error_under_a_profile_function_keeps_it():
+    """The exit watch (torch <= 2.12) chains to a profile function set before
+    it, which goes on seeing calls, and puts it back afterwards."""
+    seen = []
+
+    def profile_function(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_name)
+
+    x = torch.randn(4, 4, requires_grad=True)
+    sys.setprofile(profile_function)
+    try:
+        with pytest.raises(Boom):
+            _torch_checkpoint(x)
+        assert sys.getprofile() is profile_function
+        assert "raising" in seen  # passed on while the watch was installed
+        seen.clear()
+        torch_sac.policies.save_matmuls()  # any Python call after the error
+        assert "save_matmuls" in seen
+    finally:
+        sys.setprofile(None)
+
+
+def test_error_under_cprofile_keeps_profiling():
+    """cProfile (a legacy profile function before Python 3.12, sys.monitoring
+    since) still records calls after an error inside the checkpoint."""
     profiler = cProfile.Profile()
     x = torch.randn(4, 4, requires_grad=True)
     profiler.enable()
     try:
+        before = sys.getprofile()
         with pytest.raises(Boom):
             _torch_checkpoint(x)
-        assert sys.getprofile() is profiler
+        assert sys.getprofile() is before
+        torch_sac.policies.save_matmuls()
     finally:
         profiler.disable()
-    assert sys.getprofile() is None
     profiler.create_stats()
     names = {func for (_, _, func) in profiler.stats}
-    assert "raising" in names
+    assert "raising" in names and "save_matmuls" in names
 
 
 def test_generator_closed_late_on_another_thread_is_harmless():
