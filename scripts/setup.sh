@@ -31,7 +31,9 @@ fi
 # machine-wide pip constraint, which caps torch below the newest release).
 constraint="$(mktemp)"
 trap 'rm -f "$constraint"' EXIT
-python -c "import torch; print('torch==' + torch.__version__)" > "$constraint"
+# The installed distribution's version: a CUDA build's torch.__version__ has
+# a local tag (2.15.0+cu130) that its package metadata (2.15.0) may lack.
+python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > "$constraint"
 export PIP_CONSTRAINT="$constraint"
 
 # The build tools torch_sac declares ([build-system] requires): without build

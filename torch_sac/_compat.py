@@ -120,7 +120,14 @@ _AOT_TRACING_IS_COMPILING = TORCH_RELEASE >= (2, 13)
 
 
 def is_compiling():
-    """True while Dynamo traces, and while AOTAutograd traces on every release."""
+    """True while Dynamo traces, and while AOTAutograd traces on every release.
+
+    For code that AOTAutograd reaches (torch.utils.checkpoint calling
+    context_fn, PyTorch's SAC calling a policy_fn). Code that only Dynamo
+    traces (a region's constructor, a module's forward) calls
+    ``torch.compiler.is_compiling()`` directly: Dynamo folds that call into
+    the traced frame, which a call through this function does not.
+    """
     if torch.compiler.is_compiling():
         return True
     if _AOT_TRACING_IS_COMPILING:

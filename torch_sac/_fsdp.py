@@ -40,7 +40,7 @@ class _UnitsSeen:
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._seen)
 
     def _seen(self, module, args):
-        if _compat.is_compiling():
+        if torch.compiler.is_compiling():
             return  # traced code: not a unit running in this region
         if isinstance(module, self._cls) and threading.get_ident() == self._thread:
             self._units.append(weakref.ref(module))

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tc
 
-from . import _compat, _compile
+from . import _compile
 from ._policy_conversion import as_op_policy
 from .contexts import create_selective_checkpoint_contexts
 from .region import _check_replay_budget, sac_context
@@ -242,7 +242,7 @@ def _wrap(module, original, policy, engine, allow, replay_budget, handle):
     def forward(*args, **kwargs):
         if not module.training or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return original(*args, **kwargs)
-        if _compat.is_compiling():
+        if torch.compiler.is_compiling():
             if replay_budget is not None:
                 _compile.warn_replay_budget_ignored()
             return _compile.checkpoint_when_compiling(original, args, kwargs, policy, allow)

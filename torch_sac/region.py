@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from . import _C, _compat, _compile, _fsdp
+from . import _C, _compile, _fsdp
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .schedule import ReplaySchedule
@@ -168,7 +168,7 @@ class sac_context:
 
     def __init__(self, policy, *, allow_cache_entry_mutation=False, replay_budget=None,
                  replay_schedule=None):
-        if _compat.is_compiling():
+        if torch.compiler.is_compiling():
             _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
             raise TypeError(
@@ -361,7 +361,7 @@ def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, replay_budge
         >>> y = torch_sac.checkpoint(block, x, policy=torch_sac.policies.recompute_all())
     """
     _check_replay_budget(replay_budget, "checkpoint")
-    if _compat.is_compiling():
+    if torch.compiler.is_compiling():
         policy, replay_budget = _unpack_plan(policy, replay_budget)
         if replay_budget is not None:
             _compile.warn_replay_budget_ignored()

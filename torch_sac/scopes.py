@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.fx.traceback as fx_traceback
 
-from . import _C, _compat
+from . import _C
 
 __all__ = ["name", "active_names"]
 
@@ -118,7 +118,7 @@ def name(scope_name):
         every call of the decorated function.
     """
     _check_name(scope_name, "name")
-    if _compat.is_compiling():
+    if torch.compiler.is_compiling():
         return fx_traceback.annotate({ANNOTATION_PREFIX + scope_name: True})
     return _NameScope(scope_name)
 
