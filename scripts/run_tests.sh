@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # Sets up, then runs every test: GoogleTest (C++), the C++ example against
-# the installed package, and pytest under both interception adapters.
+# the installed package, and pytest under both interception adapters on the
+# primary torch (the one setup.sh keeps or installs); then the whole Python
+# suite on the oldest and the newest supported torch, each from PyPI in its
+# own venv, built with the README's command (scripts/test_release.sh), under
+# the adapter that release picks by default.
+#
+# TORCH_SAC_CI_RELEASES overrides that list ("" skips it: the quick local
+# loop). scripts/test_matrix.sh is the long profile: every supported release
+# under both adapters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,3 +18,7 @@ ctest --test-dir build/cmake --output-on-failure -j2
 bash scripts/test_cpp_example.sh
 TORCH_SAC_ADAPTER=key python -m pytest tests/python -q
 TORCH_SAC_ADAPTER=python python -m pytest tests/python -q
+
+for release in ${TORCH_SAC_CI_RELEASES-2.11.0 2.15.0}; do
+  bash scripts/test_release.sh "$release" auto
+done
