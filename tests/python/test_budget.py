@@ -420,7 +420,12 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
         assert row.bytes == gpt_plan._bytes_of(row.calls) == row.item.bytes
     for it in gpt_plan.outside_calls:
         assert not any(profile.storages[s].internal for s in record_of[id(it)].storages)
-    assert {it.op for it in gpt_plan.outside_calls} == {aten.t.default, aten.slice.Tensor}
+    # torch 2.15's nn.Linear may flatten a 3-D input from outside the region
+    # with aten._unsafe_view (a call on outside storage) where earlier
+    # releases use a view that the region does not see as a call of its own.
+    outside_ops = {it.op for it in gpt_plan.outside_calls}
+    assert {aten.t.default, aten.slice.Tensor} <= outside_ops
+    assert outside_ops <= {aten.t.default, aten.slice.Tensor, aten._unsafe_view.default}
     # The qkv projection carries its split, the heads' views and transposes;
     # dropout's mask its bernoulli_ and div_; a residual's branch its add_.
     by_head = {(row.item.op, row.item.call_index): row for row in rows}
