@@ -430,7 +430,10 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
     # dropout's mask its bernoulli_ and div_; a residual's branch its add_.
     by_head = {(row.item.op, row.item.call_index): row for row in rows}
     qkv = by_head[(aten.addmm.default, 0)]
-    assert {it.op for it in qkv.folded} == {
+    # torch 2.15's nn.Linear reshapes its 3-D output with _unsafe_view, where
+    # earlier releases use view.
+    as_view = {aten._unsafe_view.default: aten.view.default}
+    assert {as_view.get(it.op, it.op) for it in qkv.folded} == {
         aten.split.Tensor, aten.view.default, aten.transpose.int, aten.expand.default}
     assert len(qkv.folded) == 12
     mask = by_head[(aten.empty_like.default, 0)]
@@ -445,7 +448,10 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
     assert shown == [(_op_name(row.item.op), str(row.item.call_index)) for row in rows]
     assert not {op for op, _ in shown} & {"view", "t", "transpose.int", "split.Tensor", "expand",
                                            "_unsafe_view", "add_.Tensor", "bernoulli_.float"}
-    assert "view x4, transpose x4, expand x3, split" in table
+    if any(it.op is aten._unsafe_view.default for it in qkv.folded):  # torch 2.15
+        assert all(part in table for part in ("view x3", "_unsafe_view", "transpose x4", "expand x3"))
+    else:
+        assert "view x4, transpose x4, expand x3, split" in table
     assert "bernoulli_, div_" in table
     outside = f"{len(gpt_plan.outside_calls)} op calls keep no region memory"
     assert outside in table and "t x4, slice x2" in table
