@@ -56,10 +56,12 @@ def check_built_with(built_with):
 
 # --- PyTorch's SAC calling its policy_fn -------------------------------------
 # torch <= 2.11: policy_fn is called before the op runs, without
-#   ctx.op_output, and again during recompute (ctx.is_recompute=True);
-# torch >= 2.12: called after the op with ctx.op_output set, forward only
-#   (recompute looks decisions up by call index; 2.13 changed storage keys).
-# Read from SelectiveCheckpointContext's signature, not the version.
+#   ctx.op_output; torch >= 2.12: after the op, with ctx.op_output set.
+# torch <= 2.12: it is asked again during recompute (ctx.is_recompute=True);
+#   torch >= 2.13: forward only (recompute looks decisions up by call index).
+# The first is read from SelectiveCheckpointContext's signature; the second
+# needs no branch: .to_torch() policies count recompute calls per pass
+# (torch_sac/_torch_policy.py), so they answer recompute as forward.
 _CTX_PARAMS = inspect.signature(_torch_checkpoint.SelectiveCheckpointContext.__init__).parameters
 
 
@@ -119,6 +121,18 @@ def checkpoint_frame_entering(frame):
 _AOT_TRACING_IS_COMPILING = TORCH_RELEASE >= (2, 13)
 
 
+def _never_compiled_as_a_frame(fn):
+    """Dynamo must not compile ``fn`` as a frame of its own (after a graph
+    break, eager code calling it would get ``torch.compiler.is_compiling()``
+    folded to True); it still inlines it while tracing a caller."""
+    skip_code = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    skip_code = getattr(skip_code, "skip_code", None)
+    if skip_code is not None:
+        skip_code(fn.__code__)
+    return fn
+
+
+@_never_compiled_as_a_frame
 def is_compiling():
     """True while Dynamo traces, and while AOTAutograd traces on every release.
 

@@ -13,6 +13,17 @@ uses; this module supplies what PyTorch's ``policy_fn(ctx, op, *args,
   PyTorch 2.13 calls the policy only in forward, once per op, right after the
   op ran and after its own counter advanced, so the counts agree with
   PyTorch's (op, call index) storage keys.
+  PyTorch 2.11 (see ``_compat``) calls it before the op (no
+  ``ctx.op_output``) and again for every op of each recompute, from its
+  recompute mode with ``ctx.is_recompute=True``, and takes the cached outputs
+  of the calls answered SAVE there in order; the answers must be forward's.
+  Recompute calls are counted per (recompute mode, recompute pass), a pass
+  being what PyTorch's checkpoint recomputes once for: the backward's graph
+  task (or the current ``GraphExecGroup``). A recompute thus asks about the
+  same (op, call index) as forward and gets the same answer, also on a second
+  backward with ``retain_graph=True`` after an early-stopped recompute
+  (which PyTorch 2.11 then serves from its consumed cache: it raises, or
+  hands out an entry the first recompute left; 2.13 raises).
 * the named scopes under torch.compile: the scopes then live in FX node
   metadata (``torch_sac.name`` becomes ``torch.fx.traceback.annotate``),
   which PyTorch makes current while it re-traces the region, so they are
@@ -70,6 +81,25 @@ def _calling_mode(frame):
     return None
 
 
+def _recompute_pass():
+    """What PyTorch's checkpoint recomputes a region once for: the current
+    ``GraphExecGroup``, else the backward's graph task id (-1 outside a
+    backward, where PyTorch recomputes for every unpack and the passes
+    cannot be told apart)."""
+    group = torch._C._get_graph_exec_group()
+    return group if group is not None else torch._C._current_graph_task_id()
+
+
+class _RecomputeCounts:
+    """Calls per op in the current recompute pass of one recompute mode."""
+
+    __slots__ = ("pass_id", "counts")
+
+    def __init__(self, pass_id):
+        self.pass_id = pass_id
+        self.counts = {}
+
+
 def _traced_names():
     """Scope names of the FX node being traced (torch.compile)."""
     custom = fx_traceback.current_meta.get("custom")
@@ -120,9 +150,7 @@ class TorchPolicy:
                     "from elsewhere. To use the policy with torch_sac, pass it "
                     "without .to_torch()."
                 )
-            counts = self._counts.get(mode)
-            if counts is None:
-                counts = self._counts[mode] = {}
+            counts = self._counts_for(mode, getattr(ctx, "is_recompute", False))
             index = counts.get(op, 0)
             counts[op] = index + 1
         names = _traced_names() if _compat.is_compiling() else None
@@ -130,6 +158,21 @@ class TorchPolicy:
             op, args, kwargs, getattr(ctx, "op_output", None), index, names
         )
         return _BY_VALUE[value]
+
+    def _counts_for(self, mode, is_recompute):
+        """{op: calls so far} of ``mode``: per region in forward, per region
+        and recompute pass in recompute (PyTorch <= 2.11 asks its policy in
+        recompute too, from another mode object, once per pass)."""
+        if not is_recompute:
+            counts = self._counts.get(mode)
+            if counts is None:
+                counts = self._counts[mode] = {}
+            return counts
+        pass_id = _recompute_pass()
+        entry = self._counts.get(mode)
+        if entry is None or entry.pass_id != pass_id:
+            entry = self._counts[mode] = _RecomputeCounts(pass_id)
+        return entry.counts
 
     def __repr__(self):
         return f"{self._policy!r}.to_torch()"

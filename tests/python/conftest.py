@@ -5,12 +5,14 @@ TORCH_SAC_ADAPTER); nothing here assumes a particular adapter.
 """
 
 import collections
+import contextlib
 import os
 import sys
 
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +26,7 @@ try:
 except ImportError:  # running from elsewhere without an installed package
     sys.path.insert(0, REPO_ROOT)
     import torch_sac  # noqa: F401
+from torch_sac import _compat  # noqa: E402
 
 from models import MODEL_BUILDERS, Stack  # noqa: E402
 
@@ -82,10 +85,15 @@ def not_ignored(ops):
 
 
 class RecordingPolicy:
-    """Wraps a policy callable and records ``(op, decision)`` per call.
+    """Wraps a policy callable and records ``(op, decision)`` per forward call.
 
-    Also checks the contract: the policy is never called during recompute and
-    ``ctx.op_output`` is populated.
+    Also counts what the contract checks for torch_sac: calls during recompute
+    (``ctx.is_recompute``; torch_sac never makes them) and forward calls
+    without ``ctx.op_output`` (torch_sac always sets it). PyTorch's own SAC
+    makes both on torch <= 2.11 (see ``torch_sac._compat``): it asks before
+    the op runs, and asks again in recompute; those recompute calls are passed
+    to the inner policy (PyTorch needs the answers) but not recorded in
+    ``calls``, which stays the forward's decisions.
     """
 
     def __init__(self, inner):
@@ -95,11 +103,12 @@ class RecordingPolicy:
         self.missing_output = 0
 
     def __call__(self, ctx, op, *args, **kwargs):
+        decision = self.inner(ctx, op, *args, **kwargs)
         if ctx.is_recompute:
             self.recompute_calls += 1
+            return decision
         if getattr(ctx, "op_output", None) is None:
             self.missing_output += 1
-        decision = self.inner(ctx, op, *args, **kwargs)
         self.calls.append((op, decision))
         return decision
 
@@ -119,6 +128,45 @@ class RecordingPolicy:
     def n_saved_cacheable(self):
         """Saved calls of ops the drop-in may cache (see mutates_args)."""
         return sum(is_save(d) and not mutates_args(op) for op, d in self.calls)
+
+
+def sac_ctx(op_output=None, is_recompute=False):
+    """A ``SelectiveCheckpointContext`` as a policy is handed one. PyTorch
+    >= 2.12 takes ``op_output`` in the constructor; on older releases (whose
+    SAC asks before the op runs, without it) it is set as an attribute, as
+    torch_sac's own contexts do there. ``op_output=None``: a context without
+    the op's output, as PyTorch <= 2.11's SAC hands its policy."""
+    if op_output is None:
+        return tc.SelectiveCheckpointContext(is_recompute=is_recompute)
+    if _compat.sac_policy_sees_output():
+        return tc.SelectiveCheckpointContext(is_recompute=is_recompute, op_output=op_output)
+    ctx = tc.SelectiveCheckpointContext(is_recompute=is_recompute)
+    ctx.op_output = op_output
+    return ctx
+
+
+_TORCH_SAC_ASKS_IN_RECOMPUTE = []
+
+
+def torch_sac_asks_policy_in_recompute():
+    """Whether PyTorch's own SAC calls ``policy_fn`` during recompute too
+    (``ctx.is_recompute=True``): torch <= 2.11 does, later releases look the
+    forward's decisions up instead (see ``torch_sac._compat``). Measured once
+    on a two-op region rather than read from the version."""
+    if not _TORCH_SAC_ASKS_IN_RECOMPUTE:
+        flags = []
+
+        def policy(ctx, op, *args, **kwargs):
+            flags.append(bool(ctx.is_recompute))
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        x = torch.ones(2, requires_grad=True)
+        ctx_fn = lambda: tc.create_selective_checkpoint_contexts(policy)  # noqa: E731
+        tc.checkpoint(lambda t: t.sin().cos(), x, use_reentrant=False,
+                      context_fn=ctx_fn).sum().backward()
+        assert False in flags, "PyTorch's SAC never asked its policy in forward"
+        _TORCH_SAC_ASKS_IN_RECOMPUTE.append(True in flags)
+    return _TORCH_SAC_ASKS_IN_RECOMPUTE[0]
 
 
 def list_policy_fn(ops):
@@ -174,17 +222,21 @@ def save_matmuls_fn(ctx, op, *args, **kwargs):
 def make_every_nth_fn(ops, n):
     """Stateful equivalent of torch_sac.policies.every_nth for PyTorch's SAC.
 
-    Must be created fresh for every region (PyTorch 2.13 calls the policy
-    only in forward, so counting calls is correct there).
+    Must be created fresh for every region. PyTorch >= 2.13 calls the policy
+    only in forward; torch <= 2.11 also calls it once per op in recompute
+    (``ctx.is_recompute=True``) and needs the same answers there, so forward
+    and recompute calls are counted apart, as PyTorch's own tests do (good
+    for one backward per region).
     """
     ops = list(ops)
-    counts = collections.Counter()
+    counts = {False: collections.Counter(), True: collections.Counter()}
 
     def policy(ctx, op, *args, **kwargs):
         if op not in ops:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        idx = counts[op]
-        counts[op] += 1
+        per_op = counts[bool(ctx.is_recompute)]
+        idx = per_op[op]
+        per_op[op] += 1
         return CheckpointPolicy.MUST_SAVE if idx % n == 0 else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
@@ -194,24 +246,85 @@ def make_every_nth_fn(ops, n):
 # Context factories
 # --------------------------------------------------------------------------
 
-class CountingCachedMode(tc._CachedTorchDispatchMode):
-    """PyTorch's recompute mode, counting cache hits and re-run ops."""
+def sac_ignored(op):
+    """Ops neither SAC shows to a policy nor caches (PyTorch's set of the
+    installed release, and torch_sac's)."""
+    return op in tc.SAC_IGNORED_OPS or op in torch_sac.IGNORED_OPS
 
-    def __init__(self, storage, allow_cache_entry_mutation=False):
-        super().__init__(None, storage, allow_cache_entry_mutation)
-        self.hits = 0
-        self.recomputed = 0
+
+class _AboveRecompute(TorchDispatchMode):
+    """Sees every op a recompute runs, before PyTorch's recompute mode."""
+
+    def __init__(self, observer):
+        super().__init__()
+        self.observer = observer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in tc.SAC_IGNORED_OPS and func not in torch_sac.IGNORED_OPS:
-            entries = self.storage.get(func)
-            idx = self.func_counter[func]
-            entry = None if entries is None else entries.get(idx)
-            if entry is tc._RECOMPUTE:
-                self.recomputed += 1
-            elif entry is not None and entry is not tc._CONSUMED:
-                self.hits += 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = {} if kwargs is None else kwargs
+        if sac_ignored(func):
+            return func(*args, **kwargs)
+        obs = self.observer
+        idx = obs._counts[func]
+        obs._counts[func] += 1
+        obs._ran = False
+        out = func(*args, **kwargs)
+        (obs.recomputed_calls if obs._ran else obs.hit_calls).append((func, idx))
+        return out
+
+
+class _BelowRecompute(TorchDispatchMode):
+    """Sees only the ops PyTorch's recompute mode runs again."""
+
+    def __init__(self, observer):
+        super().__init__()
+        self.observer = observer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not sac_ignored(func):
+            self.observer._ran = True
+        return func(*args, **({} if kwargs is None else kwargs))
+
+
+class ObservedRecompute:
+    """PyTorch's recompute context (its ``_CachedTorchDispatchMode``) between
+    two plain dispatch modes, to see what it does without reading its storage
+    (whose layout differs between releases): an op that reaches the mode above
+    but not the one below was served from SAC's cache, one that reaches both
+    was run again. Calls are numbered per op within each recompute pass, as
+    SAC numbers them, so ``hit_calls`` lists the cached (op, call index)
+    pairs. With early stop (the default) a recompute ends once backward has
+    what it needs, so ops after that show in neither list; under
+    ``tc.set_checkpoint_early_stop(False)`` ``hit_calls`` is exactly the set
+    SAC saved in forward."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.hit_calls = []
+        self.recomputed_calls = []
+        self._counts = collections.Counter()
+        self._ran = False
+        self._stack = None
+
+    @property
+    def hits(self):
+        return len(self.hit_calls)
+
+    @property
+    def recomputed(self):
+        return len(self.recomputed_calls)
+
+    def __enter__(self):
+        self._counts = collections.Counter()  # a new recompute pass
+        stack = contextlib.ExitStack()
+        stack.enter_context(_BelowRecompute(self))
+        stack.enter_context(self.mode)
+        stack.enter_context(_AboveRecompute(self))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc)
 
 
 class ContextRecorder:
@@ -249,13 +362,14 @@ def sac_context_fn(policy_factory, allow_cache_entry_mutation=False, recorder=No
 
 
 def torch_context_fn(policy_factory, allow_cache_entry_mutation=False, recorder=None):
-    """Same for PyTorch's own SAC; the recompute mode counts hits/recomputes."""
+    """Same for PyTorch's own SAC; its recompute is observed (ObservedRecompute)
+    to count cache hits and re-run ops."""
 
     def context_fn():
         fwd, rec = tc.create_selective_checkpoint_contexts(
             policy_factory(), allow_cache_entry_mutation=allow_cache_entry_mutation
         )
-        rec = CountingCachedMode(fwd.storage, allow_cache_entry_mutation)
+        rec = ObservedRecompute(rec)
         if recorder is not None:
             recorder.pairs.append((fwd, rec))
         return fwd, rec

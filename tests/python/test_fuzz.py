@@ -54,7 +54,10 @@ program does what the error says:
   (``policy.to_torch()`` for built-ins): it must raise if that run raises,
   and otherwise every compared item must be bitwise equal to plain
   autograd's or to that run's. It may also refuse (raise) when an
-  input of the function is read and then written in place. Ops drawing from
+  input of the function is read and then written in place, and, on torch
+  <= 2.12, raise "Trying to backward an extra time" on a second backward
+  where that torch's SAC hands out a leftover cache entry instead (as 2.13
+  raises; the single backward is then checked). Ops drawing from
   an explicit Generator are not used with it (PyTorch's checkpoint restores
   only the default generators).
 
@@ -88,6 +91,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_sac
+from torch_sac import _compat
 from models import ScaledTanhFn as ScaledTanh
 
 P = torch_sac.Policy
@@ -685,9 +689,13 @@ STEP_KINDS = ["unary", "affine", "binary", "where", "mm", "bmm", "matmul", "view
 
 class BitsPolicy:
     """Answers the i-th policy call with bits[i] (SAVE) or PREFER_RECOMPUTE;
-    calls past the end recompute. PyTorch (and torch_sac) call the policy
-    once per op in forward only, so the counter indexes forward ops. Records
-    the storages of the outputs it saved."""
+    calls past the end recompute. torch_sac, and PyTorch >= 2.12, call the
+    policy once per op in forward only, so the counter indexes forward ops.
+    PyTorch <= 2.11's SAC also asks in each recompute (ctx.is_recompute) and
+    needs forward's answers there: recompute calls are counted apart, from 0
+    in each recompute pass (per backward graph task, which is what PyTorch's
+    checkpoint recomputes once for). Records the storages of the outputs it
+    saved (forward, where ctx.op_output is given)."""
 
     def __init__(self, bits, flavour):
         self.bits = bits
@@ -695,9 +703,18 @@ class BitsPolicy:
             (P.MUST_SAVE, P.PREFER_RECOMPUTE) if flavour == "torch_sac"
             else (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE))
         self.calls = 0
+        self.recompute_pass = None
+        self.recompute_calls = 0
         self.saved_storages = set()
 
     def __call__(self, ctx, op, *args, **kwargs):
+        if ctx.is_recompute:
+            task = torch._C._current_graph_task_id()
+            if task != self.recompute_pass:
+                self.recompute_pass, self.recompute_calls = task, 0
+            i = self.recompute_calls
+            self.recompute_calls += 1
+            return self.save if i < len(self.bits) and self.bits[i] else self.recompute
         i = self.calls
         self.calls += 1
         if i < len(self.bits) and self.bits[i]:
@@ -908,6 +925,7 @@ _OUTSIDE_MUTATED = "a tensor from outside the sac_context region, which was modi
 # place later (recompute would read the new value), even where PyTorch's SAC
 # happens to get it right because the read's result is not needed.
 _DROPIN_OUTSIDE_MUTATED = "read a tensor in forward that a later op of the checkpointed region"
+_EXTRA_BACKWARD = "Trying to backward an extra time"
 
 
 def _region_error_documented(err, prog, spec, policies, layout):
@@ -961,6 +979,17 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
         except Exception as te:  # noqa: BLE001
             event("dropin: raises, as PyTorch's SAC does")
             note(f"torch SAC raised: {te}")
+            return
+        if (twice and _compat.TORCH_RELEASE < (2, 13) and isinstance(e, RuntimeError)
+                and _EXTRA_BACKWARD in str(e)):
+            # PyTorch <= 2.12 keeps SAC's cache as one queue per op: a second
+            # backward through a region takes the entries the first,
+            # early-stopped recompute left (queued for later calls of the op,
+            # so possibly another call's output) instead of raising. 2.13 keys
+            # entries by call index and raises; the drop-in follows 2.13 on
+            # every release. Its single backward must still check out.
+            event("dropin: raises on a second backward, as PyTorch >= 2.13's SAC does")
+            check_engine(prog, spec, engine, layout, twice=False)
             return
         raise AssertionError(f"dropin raised where PyTorch's SAC did not:\n{type(e).__name__}: {e}") from e
     replayed = ours.stats.get("replayed_ops", ours.stats.get("recomputed_ops"))

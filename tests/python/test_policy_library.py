@@ -3,8 +3,10 @@ named scopes and save_by_name, ``.to_torch()`` parity with PyTorch's own SAC
 (eager and torch.compile), and errors.
 
 Saved sets are compared as sets of (op, call index) per region: for torch_sac
-from ``forward_context.saved_calls()``, for PyTorch from the forward mode's
-storage, and for "what the name promises" from an independent recording of
+from ``forward_context.saved_calls()``, for PyTorch from what its recompute
+took from its cache (``conftest.ObservedRecompute``, with early stop off so
+that recompute runs every op; PyTorch's storage layout differs between
+releases), and for "what the name promises" from an independent recording of
 the ops each region ran (a plain TorchDispatchMode used as the forward
 context), with the named scopes tracked in Python.
 """
@@ -25,8 +27,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_sac
 from conftest import (
+    ObservedRecompute,
     assert_drop_in_cached,
     RUN_SEED,
+    sac_ctx,
+    torch_sac_asks_policy_in_recompute,
     aten,
     assert_grads_equal,
     assert_tensors_equal,
@@ -146,28 +151,27 @@ def torch_sac_run(builder, policy, allow=False):
             [fwd.stats()["invalidated_ops"] for fwd, _ in pairs])
 
 
-def torch_saved(storage):
-    return {
-        (op, idx)
-        for op, entries in storage.items()
-        for idx, entry in entries.items()
-        if entry is not tc._RECOMPUTE
-    }
-
-
 def torch_run(builder, policy_fn, allow=False):
     """Runs with PyTorch's own SAC; one policy_fn object shared by every
-    region (functools.partial, as users write it)."""
-    modes = []
+    region (functools.partial, as users write it). Returns (result, per
+    region the (op, call index) calls PyTorch's recompute took from its
+    cache). Without early stop each recompute runs to the end, so those are
+    exactly the calls PyTorch saved in forward, and a recompute decision
+    differing from forward's (PyTorch <= 2.11 asks the policy again in
+    recompute) shows: a saved call re-run, or a cache entry taken for a call
+    that was not saved."""
+    observed = []
 
     def context_fn():
         fwd, rec = tc.create_selective_checkpoint_contexts(
             policy_fn, allow_cache_entry_mutation=allow)
-        modes.append(fwd)
+        rec = ObservedRecompute(rec)
+        observed.append(rec)
         return fwd, rec
 
-    result = run_model(builder, context_fn)
-    return result, [torch_saved(fwd.storage) for fwd in modes]
+    with tc.set_checkpoint_early_stop(False):
+        result = run_model(builder, context_fn)
+    return result, [set(rec.hit_calls) for rec in observed]
 
 
 def promised(regions, predicate):
@@ -362,18 +366,63 @@ def test_every_nth_to_torch_counts_per_region_not_globally():
     region are saved. A global counter would save calls 0, 2 (region 1) and
     1 (region 2)."""
     policy_fn = policies.every_nth(aten.mm, 2).to_torch()
-    modes = []
+    observed = []
 
     def context_fn():
         fwd, rec = tc.create_selective_checkpoint_contexts(policy_fn)
-        modes.append(fwd)
-        return fwd, rec
+        observed.append(ObservedRecompute(rec))
+        return fwd, observed[-1]
 
     x, w = small_inputs()
-    h = tc.checkpoint(mm_chain, x, w, use_reentrant=False, context_fn=context_fn)
-    tc.checkpoint(mm_chain, h, w, use_reentrant=False, context_fn=context_fn).sum().backward()
-    assert [sorted(i for op, i in torch_saved(m.storage) if op is aten.mm.default) for m in modes] \
+    with tc.set_checkpoint_early_stop(False):  # recompute runs every op (see torch_run)
+        h = tc.checkpoint(mm_chain, x, w, use_reentrant=False, context_fn=context_fn)
+        tc.checkpoint(mm_chain, h, w, use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert [sorted(i for op, i in rec.hit_calls if op is aten.mm.default) for rec in observed] \
         == [[0, 2], [0, 2]]
+    assert [sorted(i for op, i in rec.recomputed_calls if op is aten.mm.default) for rec in observed] \
+        == [[1], [1]]
+
+
+def test_every_nth_to_torch_answers_recompute_as_forward():
+    """Where PyTorch's SAC asks its policy again in recompute (torch <= 2.11),
+    every recompute pass must get forward's answers: PyTorch takes the cached
+    outputs of the calls answered SAVE there, in order. The .to_torch() policy
+    counts recompute calls per pass (per backward), so a second backward with
+    retain_graph=True asks about the same call indices as forward, not ones
+    continuing the first recompute's count. (PyTorch then raises on that
+    second backward, its storage being consumed; the answers up to there are
+    what is checked.)"""
+    if not torch_sac_asks_policy_in_recompute():
+        pytest.skip("this torch's SAC does not call policy_fn in recompute (as on torch 2.13): "
+                    "it looks forward's decisions up by call index")
+    answers = {False: [], True: []}
+    inner = policies.every_nth(aten.mm, 3).to_torch()
+
+    def spy(ctx, op, *args, **kwargs):
+        value = inner(ctx, op, *args, **kwargs)
+        if op is aten.mm.default:
+            answers[bool(ctx.is_recompute)].append(value)
+        return value
+
+    def chain(x, w):  # 4 mm: every_nth(mm, 3) saves calls 0 and 3
+        for _ in range(4):
+            x = torch.mm(x, w).sin()
+        return x
+
+    x, w = small_inputs()
+    ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, spy)
+    out = tc.checkpoint(chain, x, w, use_reentrant=False, context_fn=ctx_fn).sum()
+    S, R = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert answers[False] == [S, R, R, S]
+    grads = torch.autograd.grad(out, (x, w), retain_graph=True)
+    assert answers[True] == answers[False]
+    x_ref, w_ref = (t.detach().requires_grad_(True) for t in (x, w))
+    for g, ref in zip(grads, torch.autograd.grad(chain(x_ref, w_ref).sum(), (x_ref, w_ref))):
+        assert_tensors_equal(g, ref, "gradient through PyTorch's SAC")
+    answers[True].clear()
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        torch.autograd.grad(out, (x, w))
+    assert answers[True] == [S], "second recompute did not start at call index 0"
 
 
 def test_to_torch_handed_back_to_torch_sac_is_the_policy():
@@ -743,23 +792,25 @@ def test_save_by_name_rejects_empty_name_and_accepts_no_names():
 
 def test_every_nth_to_torch_outside_torch_sac_raises():
     policy_fn = policies.every_nth(aten.mm, 2).to_torch()
-    ctx = tc.SelectiveCheckpointContext(is_recompute=False, op_output=torch.zeros(2, 2))
-    with pytest.raises(RuntimeError, match="create_selective_checkpoint_contexts"):
-        policy_fn(ctx, aten.mm.default, torch.zeros(2, 2), torch.zeros(2, 2))
+    for ctx in (sac_ctx(op_output=torch.zeros(2, 2)), sac_ctx(), sac_ctx(is_recompute=True)):
+        with pytest.raises(RuntimeError, match="create_selective_checkpoint_contexts"):
+            policy_fn(ctx, aten.mm.default, torch.zeros(2, 2), torch.zeros(2, 2))
 
 
 def test_to_torch_without_call_index_works_when_called_directly():
     """Policies that need no call index answer a direct call too."""
     policy_fn = policies.save_matmuls().to_torch()
     a = torch.zeros(2, 2)
-    ctx = tc.SelectiveCheckpointContext(is_recompute=False, op_output=a)
-    assert policy_fn(ctx, aten.mm.default, a, a) is CheckpointPolicy.MUST_SAVE
-    assert policy_fn(ctx, aten.sin.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
-    assert policy_fn(ctx, aten.detach.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
-    with torch_sac.name("n"):
-        by_name = policies.save_by_name("n").to_torch()
-        assert by_name(ctx, aten.sin.default, a) is CheckpointPolicy.MUST_SAVE
-    assert by_name(ctx, aten.sin.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
+    # With the op's output (PyTorch >= 2.12 and torch_sac's contexts) and
+    # without it (PyTorch <= 2.11 asks before the op ran): same answers.
+    for ctx in (sac_ctx(op_output=a), sac_ctx()):
+        assert policy_fn(ctx, aten.mm.default, a, a) is CheckpointPolicy.MUST_SAVE
+        assert policy_fn(ctx, aten.sin.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
+        assert policy_fn(ctx, aten.detach.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
+        with torch_sac.name("n"):
+            by_name = policies.save_by_name("n").to_torch()
+            assert by_name(ctx, aten.sin.default, a) is CheckpointPolicy.MUST_SAVE
+        assert by_name(ctx, aten.sin.default, a) is CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def test_to_torch_is_a_method_of_every_builtin():

@@ -18,10 +18,13 @@ Every scenario runs under up to three engines:
 * ``region``: ``torch_sac.checkpoint(fn, *args, policy=...)`` (the region
   engine), where the scenario is "a function, a policy, forward+backward".
 
-The installed PyTorch is 2.13, whose SAC calls the policy only in forward
-(never during recompute); the stored test file predates that, so where an
-original counted policy calls made during recompute, the 2.13 count is
-asserted (and the control engine confirms it).
+PyTorch 2.13 (torch_sac's primary release) and later call the policy only in
+forward (never during recompute); the stored test file predates that, so where
+an original counted policy calls made during recompute, the forward-only count
+is asserted for torch_sac's engines (which follow 2.13 on every release), and
+for the control engine the count of the installed torch: the original's on
+torch <= 2.11, whose SAC also asks in recompute
+(``conftest.torch_sac_asks_policy_in_recompute``).
 
 Where torch_sac differs from PyTorch on purpose (README, "Differences from
 PyTorch, on purpose"), torch_sac's documented behaviour is asserted and the
@@ -45,7 +48,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import FlopCounterMode
 
 import torch_sac
-from conftest import REPO_ROOT, assert_tensors_equal, aten
+from conftest import REPO_ROOT, assert_tensors_equal, aten, torch_sac_asks_policy_in_recompute
 from models import SizesDispatchingTensor
 
 ENGINES = ["torch", "contexts", "region"]
@@ -369,8 +372,9 @@ def test_policy_with_state(engine):
     separate forward/recompute counters (chosen by ``ctx.is_recompute``).
     The stored original expects ``[1, 2, 3, 1, 2]`` (policy also called in
     recompute, early stop skipping the last op); PyTorch 2.13, which
-    torch_sac follows, calls the policy only in forward, so ``[1, 2, 3]``
-    (confirmed by the torch control)."""
+    torch_sac follows on every release, calls the policy only in forward, so
+    ``[1, 2, 3]``. The torch control gives the installed torch's count: the
+    original's where its SAC asks in recompute (torch <= 2.11)."""
     seen = []
 
     class StatefulPolicy:
@@ -395,7 +399,10 @@ def test_policy_with_state(engine):
     x = torch.randn(3, requires_grad=True)
     out = run_ckpt(engine, fn, x, policy=StatefulPolicy(), allow=True)
     out.sum().backward()
-    assert seen == [1, 2, 3]
+    if engine == "torch" and torch_sac_asks_policy_in_recompute():
+        assert seen == [1, 2, 3, 1, 2]
+    else:
+        assert seen == [1, 2, 3]
     x_ref = x.detach().requires_grad_(True)
     fn(x_ref).sum().backward()
     assert_tensors_equal(x.grad, x_ref.grad, "x.grad")
@@ -581,7 +588,9 @@ def test_function_with_more_than_one_output(engine):
     """Port of ``test_function_with_more_than_one_output``: ``var_mean``
     (two outputs) is saved; gradients match the un-checkpointed ones. The
     stored original expects 2 policy calls for var_mean (forward +
-    recompute); under PyTorch 2.13's semantics it is 1 (control confirms)."""
+    recompute); under PyTorch 2.13's semantics, which torch_sac follows on
+    every release, it is 1. The torch control gives the installed torch's
+    count: 2 where its SAC asks in recompute (torch <= 2.11)."""
     calls = []
 
     def policy(ctx, op, *args, **kwargs):
@@ -599,7 +608,8 @@ def test_function_with_more_than_one_output(engine):
     g = grads_of(out, (x,))
     g_ref = grads_of(fn(x), (x,))
     assert_tensors_equal(g[0], g_ref[0], "x.grad")
-    assert len(calls) == 1
+    asks_in_recompute = engine == "torch" and torch_sac_asks_policy_in_recompute()
+    assert len(calls) == (2 if asks_in_recompute else 1)
 
 
 # ==========================================================================
