@@ -4,7 +4,8 @@
 #   1. builds torch_sac with the README's command (all cores, no GoogleTest),
 #   2. runs the release checks that need this machine's Python and torch,
 #   3. runs the CUDA tests (pytest -m cuda) under both interception adapters,
-#   4. runs the GPU benchmark (bench/bench_gpu.py),
+#   4. builds the C++ API's example and trains it on the GPU,
+#   5. runs the GPU benchmark (bench/bench_gpu.py),
 # and writes logs plus a short results table (results.md) to OUT_DIR,
 # printing the table last. Each stage has a time limit, so the whole check
 # ends in about 8 minutes on 16 cores even when a stage hangs.
@@ -26,6 +27,7 @@ OUT_DIR="${1:-gpu_check_out}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 PY="${PYTHON:-python3}"
+export PYTHON="$PY"  # scripts/test_cpp_example.sh finds torch through it
 TEST_LIMIT="${GPU_CHECK_TEST_LIMIT:-120}"
 BENCH_LIMIT="${GPU_CHECK_BENCH_LIMIT:-210}"
 RESULTS="$OUT_DIR/results.md"
@@ -115,7 +117,19 @@ for adapter in python key; do
   grep -E "^(FAILED|ERROR)" "$OUT_DIR/cuda_tests_$adapter.log" | head -20 | sed 's/^/    /' >> "$OUT_DIR/failures.txt"
 done
 
-# 4. GPU benchmark.
+# 4. The C++ API's example (examples/cpp) built against the installed
+# package and trained on the GPU: gradients bitwise equal to no checkpointing.
+t0=$(date +%s)
+timeout -k 10 240 bash scripts/test_cpp_example.sh cuda > "$OUT_DIR/cpp_example.log" 2>&1
+rc=$?
+if [ $rc -eq 0 ]; then
+  row "C++ example on cuda" "$(tail -1 "$OUT_DIR/cpp_example.log")" $(( $(date +%s) - t0 ))
+else
+  status=1
+  row "C++ example on cuda" "rc=$rc (cpp_example.log)" $(( $(date +%s) - t0 ))
+fi
+
+# 5. GPU benchmark.
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
   t0=$(date +%s)
   # shellcheck disable=SC2086

@@ -13,6 +13,9 @@
 // Prints per step: the loss, what the regions kept and dropped, how many ops
 // backward replayed, and activation memory (bytes held after forward) and
 // peak, measured with torch_sac's counting CPU allocator.
+//
+//   train_gpt [cpu|cuda]     (default cpu; on cuda the memory columns, which
+//                             count CPU allocations, show "-")
 
 #include <torch/torch.h>
 #include <torch_sac/torch_sac.h>
@@ -188,11 +191,18 @@ bool same_gradients(GPT& reference, GPT& checkpointed) {
 
 } // namespace
 
-int main() {
+int main(int argc, char** argv) {
   // Count every tensor allocation from here on (before any thread allocates).
   torch_sac::install_counting_allocator();
   torch::set_num_threads(1);  // steady timings on a shared machine; exactness holds for any
   const Config c;
+  const torch::Device device(argc > 1 ? argv[1] : "cpu");
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    std::printf("no CUDA device\n");
+    return 2;
+  }
+  const bool counts_memory = device.is_cpu();
+  const auto shown = [&](int64_t bytes) { return counts_memory ? mib(bytes) : std::string("-"); };
 
   // Recompute the attention core, keep everything else: a policy written as
   // a C++ lambda, reading the named scopes open around each op.
@@ -208,7 +218,9 @@ int main() {
   // the real ones; every block has the same structure, so one plan serves
   // them all (the keys are op calls within a region).
   Block sample(c);
-  const auto sample_input = torch::randn({c.batch, c.seq, c.dim}).requires_grad_();
+  sample->to(device);
+  const auto sample_input =
+      torch::randn({c.batch, c.seq, c.dim}, torch::TensorOptions().device(device)).requires_grad_();
   const torch_sac::BudgetPlan plan = torch_sac::policies::budget(
       [&] { return sample->forward(sample_input); }, {.fraction = 0.5});
   const std::vector<std::pair<std::string, torch_sac::PolicyPtr>> policies{
@@ -219,11 +231,11 @@ int main() {
   };
 
   torch::manual_seed(1234);
-  const auto tokens = torch::randint(c.vocab, {c.batch, c.seq}, torch::kLong);
+  const auto tokens = torch::randint(c.vocab, {c.batch, c.seq}, torch::kLong).to(device);
   const auto targets = torch::roll(tokens, -1, 1);
 
-  std::printf("torch_sac %s (torch %s): GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n",
-              TORCH_SAC_VERSION, TORCH_SAC_TORCH_VERSION, static_cast<long long>(c.blocks),
+  std::printf("torch_sac %s (torch %s) on %s: GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n",
+              TORCH_SAC_VERSION, TORCH_SAC_TORCH_VERSION, device.str().c_str(), static_cast<long long>(c.blocks),
               static_cast<long long>(c.dim), static_cast<long long>(c.seq),
               static_cast<long long>(c.batch), c.dropout);
   std::printf("budget_50%% plan for one block: %s\n\n", plan.summary().c_str());
@@ -239,6 +251,8 @@ int main() {
     GPT reference(c);
     torch::manual_seed(0);
     GPT checkpointed(c);
+    reference->to(device);
+    checkpointed->to(device);
     torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3));
     torch::optim::AdamW sac_opt(checkpointed->parameters(), torch::optim::AdamWOptions(1e-3));
 
@@ -259,8 +273,8 @@ int main() {
       all_exact = all_exact && exact;
       std::printf("%-15s %4d %8.4f %10s %10s %8lld %12s %10s %12s %10s  %s\n", name.c_str(), step,
                   sac.loss, mib(total.saved_bytes).c_str(), mib(total.dropped_bytes).c_str(),
-                  static_cast<long long>(total.replayed_ops), mib(sac.activations).c_str(),
-                  mib(sac.peak).c_str(), mib(plain.activations).c_str(), mib(plain.peak).c_str(),
+                  static_cast<long long>(total.replayed_ops), shown(sac.activations).c_str(),
+                  shown(sac.peak).c_str(), shown(plain.activations).c_str(), shown(plain.peak).c_str(),
                   exact ? "bitwise equal" : "DIFFER");
 
       if (step == c.steps - 1 && name == "save_matmuls") {
