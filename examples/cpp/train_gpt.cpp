@@ -64,7 +64,8 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
       torch_sac::NameScope scope(attention_core_scope());
       auto att = torch::matmul(parts[0], parts[1].transpose(-2, -1)) /
           std::sqrt(static_cast<double>(C / heads));
-      auto future = torch::ones({T, T}, torch::kBool).triu(1);
+      const auto mask_options = torch::TensorOptions().dtype(torch::kBool).device(x.device());
+      auto future = torch::ones({T, T}, mask_options).triu(1);
       att = att.masked_fill(future, -std::numeric_limits<float>::infinity());
       att = attn_drop(torch::softmax(att, -1));
       y = torch::matmul(att, parts[2]);
