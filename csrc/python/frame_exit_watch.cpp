@@ -62,7 +62,11 @@ void uninstall() {
   tls.installed = false;
   PyObject* previous_obj = tls.previous_obj;
   tls.previous_obj = nullptr;
-  PyEval_SetProfile(tls.previous_func, previous_obj);
+  // Put the previous profile function back only if ours is still the one
+  // set: code that set its own in the meantime (sys.setprofile) keeps it.
+  if (PyThreadState_Get()->c_profilefunc == &on_profile_event) {
+    PyEval_SetProfile(tls.previous_func, previous_obj);
+  }
   Py_XDECREF(previous_obj);
   tls.previous_func = nullptr;
 }

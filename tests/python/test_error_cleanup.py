@@ -164,6 +164,30 @@ def test_generator_closed_late_on_another_thread_is_harmless():
     assert errors == []
 
 
+def test_profile_function_set_inside_the_forward_is_kept():
+    """A profile function set while the watch is installed (sys.setprofile
+    inside the checkpointed function) stays set when the forward ends."""
+    def profile_function(frame, event, arg):
+        pass
+
+    calls = []
+
+    def fn(t):
+        if not calls:  # forward only: backward's recompute runs fn again
+            sys.setprofile(profile_function)
+        calls.append(1)
+        return (t @ t).sin()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    try:
+        y = tc.checkpoint(fn, x, use_reentrant=False, context_fn=_contexts())
+        assert sys.getprofile() is profile_function
+    finally:
+        sys.setprofile(None)
+    assert torch_sac._C.frame_exit_watches() == 0
+    y.sum().backward()
+
+
 def test_normal_checkpoint_leaves_no_watch():
     x = torch.randn(4, 4, requires_grad=True)
     y = tc.checkpoint(lambda t: (t @ t).sin(), x, use_reentrant=False, context_fn=_contexts())
