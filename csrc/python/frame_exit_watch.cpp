@@ -14,25 +14,27 @@ namespace {
 
 struct Watch {
   int64_t token;
-  // Held: if the profile function is replaced before the frame ends, the
-  // watch stays pending, and a new frame at the same address must not match.
-  py::object frame;
+  // Identity only, not a reference: if the profile function is replaced
+  // before the frame ends (sys.setprofile in the user's code), the watch
+  // never fires, and the frame must still be freed as usual, so that the
+  // garbage collector can close torch's generator (which removes the watch
+  // through the context's exit). A watch is removed before its frame can be
+  // freed, except for a generator leaked for good.
+  PyObject* frame;
   py::object callback;
 };
 
 struct ThreadWatches {
   ~ThreadWatches() {
     // Runs at thread exit without the GIL: leak what is still pending rather
-    // than touch reference counts (only left when the frames never ended
-    // under this profile function).
+    // than touch reference counts.
     for (auto& watch : watches) {
-      watch.frame.release();
       watch.callback.release();
     }
   }
 
   std::vector<Watch> watches;
-  // The profile function this thread had before the first watch.
+  // The profile function this thread had before ours.
   Py_tracefunc previous_func = nullptr;
   PyObject* previous_obj = nullptr; // strong reference while installed
   bool installed = false;
@@ -43,15 +45,25 @@ int64_t next_token = 1; // guarded by the GIL
 
 int on_profile_event(PyObject* obj, PyFrameObject* frame, int what, PyObject* arg);
 
+bool ours_is_set() {
+  return PyThreadState_Get()->c_profilefunc == &on_profile_event;
+}
+
 void install() {
-  if (tls.installed) {
+  if (tls.installed && ours_is_set()) {
     return;
   }
+  // First watch, or ours was replaced since (sys.setprofile, a profiler, a
+  // profile function that raised): chain to whatever is set now.
   PyThreadState* state = PyThreadState_Get();
+  PyObject* stale = tls.previous_obj;
   tls.previous_func = state->c_profilefunc;
   tls.previous_obj = state->c_profileobj;
   Py_XINCREF(tls.previous_obj);
-  PyEval_SetProfile(&on_profile_event, nullptr);
+  Py_XDECREF(stale);
+  // The previous object stays what sys.getprofile() returns, so code that
+  // saves and restores it keeps the user's profile function.
+  PyEval_SetProfile(&on_profile_event, tls.previous_obj);
   tls.installed = true;
 }
 
@@ -64,7 +76,7 @@ void uninstall() {
   tls.previous_obj = nullptr;
   // Put the previous profile function back only if ours is still the one
   // set: code that set its own in the meantime (sys.setprofile) keeps it.
-  if (PyThreadState_Get()->c_profilefunc == &on_profile_event) {
+  if (ours_is_set()) {
     PyEval_SetProfile(tls.previous_func, previous_obj);
   }
   Py_XDECREF(previous_obj);
@@ -81,11 +93,9 @@ int on_profile_event(PyObject* /*obj*/, PyFrameObject* frame, int what, PyObject
   }
   // Innermost first: watches are pushed as frames are entered.
   std::vector<py::object> fired;
-  std::vector<py::object> frames; // released after the loop, not inside it
   for (auto it = tls.watches.begin(); it != tls.watches.end();) {
-    if (it->frame.ptr() == reinterpret_cast<PyObject*>(frame)) {
+    if (it->frame == reinterpret_cast<PyObject*>(frame)) {
       fired.push_back(std::move(it->callback));
-      frames.push_back(std::move(it->frame));
       it = tls.watches.erase(it);
     } else {
       ++it;
@@ -114,7 +124,7 @@ int64_t watch_frame_exit(py::handle frame, py::object callback) {
   TORCH_CHECK_TYPE(PyCallable_Check(callback.ptr()), "torch_sac: watch_frame_exit needs a callable");
   install();
   const int64_t token = next_token++;
-  tls.watches.push_back(Watch{token, py::reinterpret_borrow<py::object>(frame), std::move(callback)});
+  tls.watches.push_back(Watch{token, frame.ptr(), std::move(callback)});
   return token;
 }
 

@@ -11,8 +11,13 @@
 // the error into the generator instead; torch_sac/_compat.py).
 //
 // A C-level profile function (PyEval_SetProfile) is installed on this thread
-// only while a watch is pending, and calls any profile function that was set
-// before it (cProfile, a debugger's), which it restores afterwards.
+// only while a watch is pending. It calls the profile function that was set
+// before it (cProfile, a debugger's), which sys.getprofile() still returns,
+// and puts it back afterwards. Code that replaces it meanwhile wins: the
+// watch then does not fire, and torch's generator is closed when the garbage
+// collector frees it, as without the watch. While installed, CPython runs
+// the thread's Python code on its slower tracing path (measured +7-9% on
+// small CPU models' steps, torch 2.11).
 
 #include <pybind11/pybind11.h>
 
