@@ -94,6 +94,7 @@ status=0
 # the version checks and the cleanup after a forward that raises.
 t0=$(date +%s)
 timeout -k 10 120 "$PY" -m pytest tests/python/test_releases.py tests/python/test_error_cleanup.py \
+  tests/python/test_error_cleanup_adversarial.py \
   -q -p no:cacheprovider > "$OUT_DIR/release_tests.log" 2>&1
 rc=$?
 summary=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT_DIR/release_tests.log" | tail -1 | tr -d '=')
