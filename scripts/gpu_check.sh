@@ -37,6 +37,23 @@ export PYTHONUNBUFFERED=1
 elapsed() { echo $(( $(date +%s) - START )); }
 row() { echo "| $1 | $2 | $3 |" >> "$RESULTS"; }
 
+# pytest_stage NAME LOG LIMIT ARGS...: pytest with a time limit; its summary
+# line (or the time-out) becomes a table row, its failures go to failures.txt.
+pytest_stage() {
+  local name="$1" log="$2" limit="$3" t0 rc summary
+  shift 3
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$PY" -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
+  rc=$?
+  summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|no tests ran" "$log" | tail -1 | tr -d '=')
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    summary="TIMED OUT after ${limit}s; $summary"
+  fi
+  [ $rc -eq 0 ] || status=1
+  row "$name" "${summary:-rc=$rc}" $(( $(date +%s) - t0 ))
+  grep -E "^(FAILED|ERROR)" "$log" | head -20 | sed 's/^/    /' >> "$OUT_DIR/failures.txt"
+}
+
 {
   echo "# torch_sac GPU check"
   echo
@@ -92,30 +109,16 @@ fi
 status=0
 # 2. Release checks that need no GPU but this machine's Python and torch:
 # the version checks and the cleanup after a forward that raises.
-t0=$(date +%s)
-timeout -k 10 120 "$PY" -m pytest tests/python/test_releases.py tests/python/test_error_cleanup.py \
-  tests/python/test_error_cleanup_adversarial.py \
-  -q -p no:cacheprovider > "$OUT_DIR/release_tests.log" 2>&1
-rc=$?
-summary=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT_DIR/release_tests.log" | tail -1 | tr -d '=')
-[ $rc -ne 0 ] && status=1
-row "release checks (CPU)" "${summary:-rc=$rc}" $(( $(date +%s) - t0 ))
-grep -E "^(FAILED|ERROR)" "$OUT_DIR/release_tests.log" | head -20 | sed 's/^/    /' >> "$OUT_DIR/failures.txt"
+pytest_stage "release checks (CPU)" "$OUT_DIR/release_tests.log" 120 \
+  tests/python/test_releases.py tests/python/test_error_cleanup.py \
+  tests/python/test_error_cleanup_adversarial.py
 
 # 3. CUDA tests, once per adapter. pytest's summary line goes in the table.
 for adapter in python key; do
-  t0=$(date +%s)
-  args=(-m pytest tests/python/test_cuda.py -m cuda -q -rs -p no:cacheprovider
-        --junitxml "$OUT_DIR/cuda_tests_$adapter.xml")
+  args=(tests/python/test_cuda.py -m cuda -rs --junitxml "$OUT_DIR/cuda_tests_$adapter.xml")
   if [ -n "${GPU_CHECK_TESTS:-}" ]; then args+=(-k "$GPU_CHECK_TESTS"); fi
-  TORCH_SAC_ADAPTER=$adapter timeout -k 10 "$TEST_LIMIT" "$PY" "${args[@]}" \
-    > "$OUT_DIR/cuda_tests_$adapter.log" 2>&1
-  rc=$?
-  summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error)|no tests ran" "$OUT_DIR/cuda_tests_$adapter.log" | tail -1 | tr -d '=')
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && summary="TIMED OUT after ${TEST_LIMIT}s; $summary"
-  [ $rc -ne 0 ] && status=1
-  row "cuda tests ($adapter adapter)" "${summary:-rc=$rc}" $(( $(date +%s) - t0 ))
-  grep -E "^(FAILED|ERROR)" "$OUT_DIR/cuda_tests_$adapter.log" | head -20 | sed 's/^/    /' >> "$OUT_DIR/failures.txt"
+  TORCH_SAC_ADAPTER=$adapter pytest_stage "cuda tests ($adapter adapter)" \
+    "$OUT_DIR/cuda_tests_$adapter.log" "$TEST_LIMIT" "${args[@]}"
 done
 
 # 4. The C++ API's example (examples/cpp) built against the installed

@@ -125,8 +125,8 @@ def _never_compiled_as_a_frame(fn):
     """Dynamo must not compile ``fn`` as a frame of its own (after a graph
     break, eager code calling it would get ``torch.compiler.is_compiling()``
     folded to True); it still inlines it while tracing a caller."""
-    skip_code = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    skip_code = getattr(skip_code, "skip_code", None)
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    skip_code = getattr(eval_frame, "skip_code", None)
     if skip_code is not None:
         skip_code(fn.__code__)
     return fn

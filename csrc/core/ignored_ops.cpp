@@ -25,8 +25,8 @@ std::vector<c10::OperatorName> base_names() {
       {"aten::storage_offset", ""},
       {"aten::sym_numel", ""},
       {"aten::sym_size", ""},
-      {"aten::sym_stride", ""},
       {"aten::sym_storage_offset", ""},
+      {"aten::sym_stride", ""},
   };
 }
 

@@ -26,7 +26,7 @@ std::vector<c10::IValue> outputs_from_python(
     const py::handle& output) {
   const auto& returns = schema.returns();
   std::vector<c10::IValue> values;
-  if (output.is_none() && !returns.empty() && !returns[0].type()->isSubtypeOf(*c10::NoneType::get())) {
+  if (output.is_none()) {
     return values;
   }
   values.reserve(returns.size());

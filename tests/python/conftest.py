@@ -5,6 +5,7 @@ TORCH_SAC_ADAPTER); nothing here assumes a particular adapter.
 """
 
 import collections
+import gc
 import contextlib
 import os
 import sys
@@ -463,6 +464,19 @@ def _dispatch_state():
         torch_sac._C.frame_exit_watches(),
         sys.getprofile() is not None,
     )
+
+
+@pytest.fixture
+def gc_disabled():
+    """The cyclic garbage collector off for the test, after one collection:
+    no garbage from elsewhere is freed inside a measured window, and a
+    reference cycle is not rescued by the collector."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if was_enabled:
+        gc.enable()
 
 
 @pytest.fixture(autouse=True)

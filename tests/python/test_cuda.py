@@ -35,7 +35,6 @@ cached), two Inductor compiles, one in-process NCCL group of one rank.
 import contextlib
 import datetime
 import functools
-import gc
 import math
 import os
 import socket
@@ -119,17 +118,6 @@ def numerics():
         torch.backends.cudnn.benchmark = saved["cudnn_bench"]
         torch.use_deterministic_algorithms(saved["det"], warn_only=saved["det_warn"])
         torch.set_num_threads(saved["threads"])
-
-
-@pytest.fixture
-def gc_paused():
-    """No garbage from elsewhere may be freed inside a measured window."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    yield
-    if enabled:
-        gc.enable()
 
 
 @contextlib.contextmanager
@@ -811,7 +799,7 @@ def activation_bytes(model, x):
     return acts[-1]
 
 
-@pytest.mark.usefixtures("gc_paused")
+@pytest.mark.usefixtures("gc_disabled")
 @pytest.mark.parametrize("engine", ["region", "dropin", "apply_sac"])
 def test_activation_memory_at_most_pytorch_sac(engine):
     x = randn(*NET_SHAPE, seed=9)
@@ -854,7 +842,7 @@ def chain_step(model, x, region_kwargs=None):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, region, m.peak
 
 
-@pytest.mark.usefixtures("gc_paused")
+@pytest.mark.usefixtures("gc_disabled")
 def test_replay_budget_within_its_bound():
     """As tests/python/test_replay_budget.py's whole-model case (same
     phrasing of the bound, no slack), measured by the caching allocator:
@@ -880,7 +868,7 @@ def test_replay_budget_within_its_bound():
     assert peak < plain_peak, numbers
 
 
-@pytest.mark.usefixtures("gc_paused")
+@pytest.mark.usefixtures("gc_disabled")
 def test_peak_plan_within_its_bound():
     """As tests/python/test_peak_plan.py's transformer case (the planner
     measures with torch_sac.memory.track on the model's device; the step is

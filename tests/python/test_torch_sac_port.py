@@ -420,18 +420,6 @@ def _exp_then_sin(refs):
     return fn
 
 
-@pytest.fixture
-def gc_disabled():
-    """As the original's ``disable_gc()``: a reference cycle would keep the
-    cache alive, and must not be rescued by the cyclic collector."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    yield
-    if was_enabled:
-        gc.enable()
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_storage_lifetime_graph_dropped_without_backward(engine, gc_disabled):
     """Port of ``test_storage_lifetime`` (case 1): everything is saved
