@@ -187,24 +187,65 @@ std::shared_ptr<OpPolicy> recompute_all() {
 }
 
 const std::vector<OpPattern>& matmul_ops() {
-  static const std::vector<OpPattern> ops = {
-      {"aten::mm", std::nullopt},
-      {"aten::addmm", std::nullopt},
-      {"aten::bmm", std::nullopt},
-      {"aten::baddbmm", std::nullopt},
-      {"aten::convolution", std::nullopt},
-      {"aten::_convolution", std::nullopt},
-      {"aten::mkldnn_convolution", std::nullopt},
-      {"aten::cudnn_convolution", std::nullopt},
-      {"aten::miopen_convolution", std::nullopt},
-      {"aten::_scaled_dot_product_flash_attention", std::nullopt},
-      {"aten::_scaled_dot_product_flash_attention_for_cpu", std::nullopt},
-      {"aten::_scaled_dot_product_efficient_attention", std::nullopt},
-      {"aten::_scaled_dot_product_cudnn_attention", std::nullopt},
-      {"aten::_scaled_dot_product_fused_attention_overrideable", std::nullopt},
-      {"aten::_flash_attention_forward", std::nullopt},
-      {"aten::_efficient_attention_forward", std::nullopt},
-  };
+  // Every matmul-class op of torch 2.11 to 2.15 that autograd sees, so that
+  // a region or a SAC mode meets it (composite ops such as linear, matmul,
+  // conv2d or scaled_dot_product_attention decompose into these). In-place
+  // and out= variants (addmm_, _flash_attention_forward_no_dropout_inplace)
+  // are left out: an op that writes to an argument is recomputed whatever
+  // the policy says. Names, not handles: an op missing
+  // from one release (_scaled_addmm is new in 2.15) or registered by a
+  // library loaded later (flash-attn) matches once it exists.
+  // tests/python/test_policy_library.py fails when a release adds an op of
+  // this kind that is not listed here.
+  static const std::vector<OpPattern> ops = [] {
+    std::vector<OpPattern> patterns;
+    for (const char* name : {
+             // Dense, batched, grouped (MoE experts), fused-epilogue.
+             "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+             "aten::_addmm_activation", "aten::_grouped_mm", "aten::_foreach_mm",
+             // Low precision and quantized weights (FP8, int8, int4).
+             "aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_addmm",
+             "aten::_scaled_grouped_mm", "aten::_scaled_grouped_mm_v2", "aten::_int_mm",
+             "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm",
+             "aten::_weight_int4pack_mm_for_cpu",
+             "aten::_weight_int4pack_mm_with_scales_and_zeros",
+             // Sparse operands: 2:4 semi-structured weights, COO/CSR tensors.
+             "aten::_cslt_sparse_mm", "aten::_sparse_semi_structured_mm",
+             "aten::_sparse_semi_structured_addmm", "aten::_sparse_addmm",
+             "aten::_sparse_mm_reduce_impl", "aten::sparse_sampled_addmm", "aten::hspmm",
+             "aten::sspaddmm",
+             // Convolutions: the autograd-level op and each backend's kernel.
+             "aten::convolution", "aten::_convolution", "aten::convolution_overrideable",
+             "aten::conv_tbc", "aten::mkldnn_convolution", "aten::cudnn_convolution",
+             "aten::cudnn_convolution_transpose", "aten::cudnn_convolution_relu",
+             "aten::cudnn_convolution_add_relu", "aten::miopen_convolution",
+             "aten::miopen_convolution_transpose", "aten::miopen_depthwise_convolution",
+             "aten::miopen_convolution_relu", "aten::miopen_convolution_add_relu",
+             "aten::_mps_convolution", "aten::_mps_convolution_transpose",
+             "aten::_nnpack_spatial_convolution", "aten::_slow_conv2d_forward",
+             "aten::slow_conv3d_forward", "aten::slow_conv_dilated2d",
+             "aten::slow_conv_dilated3d", "aten::slow_conv_transpose2d",
+             "aten::slow_conv_transpose3d", "aten::_conv_depthwise2d",
+             "aten::conv_depthwise3d",
+             // Attention: the SDPA kernels (CPU, flash, efficient, cuDNN, others'
+             // backends), their lower-level forwards, fused MHA.
+             "aten::_scaled_dot_product_flash_attention",
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_efficient_attention",
+             "aten::_scaled_dot_product_cudnn_attention",
+             "aten::_scaled_dot_product_fused_attention_overrideable",
+             "aten::_scaled_dot_product_attention_math_for_mps",
+             "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
+             "aten::_cudnn_attention_forward", "aten::_native_multi_head_attention",
+             "aten::_triton_multi_head_attention", "aten::_triton_scaled_dot_attention",
+             // flash-attn 2 and 3's custom ops, when the library is loaded.
+             "flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+             "flash_attn_3::fwd",
+         }) {
+      patterns.push_back({name, std::nullopt});
+    }
+    return patterns;
+  }();
   return ops;
 }
 

@@ -31,7 +31,8 @@ from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .profiler import profile
 from ._peak_plan import PeakPlan
-from .region import ReplayBudget, checkpoint, sac_context
+from .checkpointing import checkpoint, checkpoint_sequential
+from .region import ReplayBudget, sac_context
 from .schedule import RebuildStep, ReplaySchedule, TensorKey
 from .scopes import name
 from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
@@ -48,6 +49,7 @@ __all__ = [
     "adapter_reason",
     "apply_sac",
     "checkpoint",
+    "checkpoint_sequential",
     "create_selective_checkpoint_contexts",
     "memory",
     "name",

@@ -85,6 +85,14 @@ def sac_ignored_ops():
     return pairs
 
 
+# --- torch.utils.checkpoint's respect_saved_tensors_hooks ----------------------
+# torch >= 2.14: checkpoint() takes respect_saved_tensors_hooks (whether
+#   tensors SAC saves go through saved_tensors_hooks entered around it);
+# torch <= 2.13: it does not, and behaves as respect_saved_tensors_hooks=False.
+CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS = "respect_saved_tensors_hooks" in \
+    inspect.signature(_torch_checkpoint.checkpoint).parameters
+
+
 # --- torch.utils.checkpoint closing context_fn's contexts on error ------------
 # torch >= 2.13: when the checkpointed function raises, checkpoint() throws
 #   the error into the generator that entered the contexts, so they exit;

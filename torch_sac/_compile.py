@@ -66,17 +66,18 @@ def context_closed():
     _open.contexts = contexts_open() - 1
 
 
-def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation):
+def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation,
+                              **torch_keywords):
     """``torch_sac.checkpoint`` while Dynamo traces: PyTorch's checkpoint with
     torch_sac's contexts (PyTorch's SAC with ``policy.to_torch()`` under
-    compile)."""
+    compile), given torch's keywords (``preserve_rng_state``, ...)."""
     from .contexts import create_selective_checkpoint_contexts
 
     context_fn = functools.partial(
         create_selective_checkpoint_contexts, policy,
         allow_cache_entry_mutation=allow_cache_entry_mutation)
     return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        fn, *args, use_reentrant=False, context_fn=context_fn, **torch_keywords, **kwargs)
 
 
 REPLAY_BUDGET_WHILE_COMPILING = (

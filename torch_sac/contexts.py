@@ -13,7 +13,7 @@ from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .region import _observers
 
-__all__ = ["create_selective_checkpoint_contexts"]
+__all__ = ["create_selective_checkpoint_contexts", "selective_policy_of_contexts"]
 
 
 class _SelectiveContext:
@@ -38,8 +38,12 @@ class _SelectiveContext:
         self._entered = False
         self._exit_watch = None
         self._generator_frame = None
+        # (policy, allow_cache_entry_mutation) on a forward context not yet
+        # entered: torch_sac.checkpoint runs a pair it is given in a region.
+        self._made_from = None
 
     def __enter__(self):
+        self._made_from = None
         self._mode.__enter__()
         self._entered = True
         if self._forward is None:
@@ -217,4 +221,24 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
                                 on_exit=state.finish_forward)
     recompute = _SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
                                   on_exit=state.finish_recompute, forward=forward)
+    forward._made_from = (policy, allow_cache_entry_mutation)
     return forward, recompute
+
+
+def selective_policy_of_contexts(contexts):
+    """``(policy, allow_cache_entry_mutation)`` of a pair of contexts made by
+    torch_sac's or PyTorch's ``create_selective_checkpoint_contexts`` and not
+    entered yet; ``(None, False)`` for anything else (PyTorch's modes
+    subclassed, e.g. by xformers, included: a subclass may change what they
+    do)."""
+    if not isinstance(contexts, tuple) or len(contexts) != 2:
+        return None, False
+    forward, recompute = contexts
+    if isinstance(forward, _SelectiveContext) and forward._made_from is not None \
+            and recompute._forward is forward:
+        return forward._made_from
+    caching = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
+    cached = getattr(_torch_checkpoint, "_CachedTorchDispatchMode", None)
+    if caching is not None and type(forward) is caching and type(recompute) is cached:
+        return forward.policy_fn, recompute.allow_cache_entry_mutation
+    return None, False

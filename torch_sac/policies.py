@@ -16,8 +16,15 @@ from ._budget import BudgetPolicy, ModelBudget, budget
 
 __all__ = [
     "save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name",
-    "budget", "BudgetPolicy", "ModelBudget",
+    "budget", "BudgetPolicy", "ModelBudget", "MATMUL_OPS",
 ]
+
+#: The ops :func:`save_matmuls` saves, by qualified name (``"aten::mm"``),
+#: every overload of each: the matmul-class ops of torch 2.11 to 2.15 that
+#: autograd sees (dense, batched, grouped, FP8/int8/int4, sparse), the
+#: convolutions, the attention kernels and flash-attn's custom ops. A name
+#: the installed torch lacks matches nothing.
+MATMUL_OPS = tuple(_C.matmul_op_names())
 
 
 def _op_patterns(ops, where):
@@ -67,9 +74,16 @@ def recompute_all():
 def save_matmuls():
     """Save matrix multiplies, convolutions and attention; recompute the rest.
 
-    Covers mm, addmm, bmm, baddbmm, the convolution ops and the
-    scaled-dot-product attention kernels: the expensive ops whose outputs are
-    worth their memory (torchtitan's op-level SAC).
+    Covers every op in :data:`MATMUL_OPS`: ``mm``, ``addmm``, ``bmm``,
+    ``baddbmm``, the grouped matmuls of mixture-of-experts layers
+    (``_grouped_mm``, ``_scaled_grouped_mm``), the FP8 and quantized
+    matmuls (``_scaled_mm``, ``_int_mm``, ``_weight_int4pack_mm``, ...),
+    the convolutions, the scaled-dot-product attention kernels (CPU, flash,
+    efficient, cuDNN) and flash-attn's ops: the expensive ops whose outputs
+    are worth their memory (torchtitan's op-level SAC). Under the drop-in
+    engine (``create_selective_checkpoint_contexts``) attention with
+    ``dropout_p > 0`` is recomputed all the same: a random op served from
+    the cache would shift the random numbers of every op recomputed after it.
     """
     return _C.save_matmuls()
 

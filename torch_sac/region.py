@@ -11,7 +11,7 @@ from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .schedule import ReplaySchedule
 
-__all__ = ["ReplayBudget", "sac_context", "checkpoint"]
+__all__ = ["ReplayBudget", "sac_context"]
 
 # Regions entered on this thread, outermost first. Regions are thread-local,
 # like the interceptor and autograd's saved-tensor hooks they switch on.
@@ -338,35 +338,3 @@ class sac_context:
         if self._region is None:
             raise RuntimeError(f"torch_sac.sac_context.{what}: the context was never entered")
 
-
-def checkpoint(fn, *args, policy, allow_cache_entry_mutation=False, replay_budget=None, **kwargs):
-    """Runs ``fn(*args, **kwargs)`` inside :class:`sac_context` and returns its result.
-
-    Unlike :func:`torch.utils.checkpoint.checkpoint`, backward never calls
-    ``fn`` again: dropped activations are rebuilt by replaying recorded ops.
-
-    Args:
-        fn: the function to checkpoint.
-        *args, **kwargs: passed to ``fn``.
-        policy: as for :class:`sac_context` (keyword-only).
-        allow_cache_entry_mutation (bool): as for :class:`sac_context`.
-        replay_budget (int, optional): as for :class:`sac_context`.
-
-    Under ``torch.compile`` (``fn`` is traced), this is
-    ``torch.utils.checkpoint.checkpoint`` with torch_sac's contexts: PyTorch's
-    compiled selective checkpointing with the same policy, which recomputes
-    each dropped op once (a ``replay_budget`` does not apply there; it warns).
-
-    Example:
-        >>> y = torch_sac.checkpoint(block, x, policy=torch_sac.policies.recompute_all())
-    """
-    _check_replay_budget(replay_budget, "checkpoint")
-    if torch.compiler.is_compiling():
-        policy, replay_budget = _unpack_plan(policy, replay_budget)
-        if replay_budget is not None:
-            _compile.warn_replay_budget_ignored()
-        return _compile.checkpoint_when_compiling(
-            fn, args, kwargs, policy, allow_cache_entry_mutation)
-    with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation,
-                     replay_budget=replay_budget):
-        return fn(*args, **kwargs)

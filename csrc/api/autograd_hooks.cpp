@@ -58,9 +58,9 @@ class ObservedSavedVariableHooks final : public SavedVariableHooks {
     // while the observer is alive; it may be gone by the time of unpack.
     (*observe_)(tensor);
     observe_ = nullptr;
-    // Without its autograd metadata: an op's output holds its node, which
-    // holds these hooks (no reference cycle, as the region's pack).
-    saved_ = detached_alias(tensor);
+    // As the region's pack holds it: an op's output holds its node, which
+    // holds these hooks, so no autograd metadata (no reference cycle).
+    saved_ = held_for_backward(tensor);
     version_counter_ = tensor.unsafeGetTensorImpl()->version_counter();
     version_ = current_version(version_counter_);
   }

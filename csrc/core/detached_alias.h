@@ -33,4 +33,18 @@ inline at::Tensor detached_alias(const at::Tensor& t) {
       /*allow_tensor_metadata_change=*/false));
 }
 
+// How a tensor saved for backward is held: as the very tensor when it does
+// not require grad, else as its detached alias. A tensor that does not
+// require grad has no grad_fn to make a reference cycle through, and
+// autograd hands an unpacked tensor that does not require grad back as is:
+// holding the tensor itself is what keeps a frozen nn.Parameter or a tensor
+// subclass (a QLoRA weight and its quant_state) the same Python object in
+// backward, as plain autograd and torch.utils.checkpoint keep it.
+inline at::Tensor held_for_backward(const at::Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) {
+    return t;
+  }
+  return detached_alias(t);
+}
+
 } // namespace torch_sac

@@ -113,15 +113,96 @@ void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
   }
 }
 
-[[noreturn]] void recompute_mismatch(
-    const c10::OperatorHandle& op, int64_t call_index, const std::string& why) {
+c10::SmallVector<int64_t, 4> first_output_sizes(c10::ArrayRef<c10::IValue> outputs) {
+  c10::SmallVector<int64_t, 4> sizes;
+  bool found = false;
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      if (found || !t.defined() || t.is_nested()) {
+        return;
+      }
+      found = true;
+      for (const c10::SymInt& s : t.sym_sizes()) {
+        sizes.push_back(s.is_heap_allocated() ? -1 : s.as_int_unchecked());
+      }
+    });
+    if (found) {
+      break;
+    }
+  }
+  return sizes;
+}
+
+// The dimension along which recompute's first output is larger than
+// forward's, all other sizes equal: what a cache the checkpointed function
+// appends to (past_key_values) looks like when recompute runs after forward
+// filled it.
+std::optional<size_t> grown_dim(
+    c10::ArrayRef<int64_t> forward_sizes, c10::ArrayRef<int64_t> recompute_sizes) {
+  if (forward_sizes.size() != recompute_sizes.size()) {
+    return std::nullopt;
+  }
+  std::optional<size_t> grown;
+  for (size_t d = 0; d < forward_sizes.size(); ++d) {
+    if (forward_sizes[d] == recompute_sizes[d]) {
+      continue;
+    }
+    if (grown || forward_sizes[d] < 0 || recompute_sizes[d] <= forward_sizes[d]) {
+      return std::nullopt;
+    }
+    grown = d;
+  }
+  return grown;
+}
+
+constexpr const char* kDropinFixes =
+    "The region engine needs no re-run: torch_sac.checkpoint, sac_context or "
+    "apply_sac(engine=\"region\") replay the recorded ops in backward and run no Python "
+    "again.";
+
+// Recompute ran an op forward did not run at this point: the checkpointed
+// function took another path the second time.
+[[noreturn]] void recompute_took_other_path(
+    const c10::OperatorHandle& op, int64_t call_index, const std::string& what) {
   TORCH_CHECK(
       false,
       "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
-      call_index, ") ", why, ". Recompute re-runs "
-      "the checkpointed function and must run the ops forward ran: avoid control flow that "
-      "depends on global state or Python randomness changed between forward and backward, "
-      "and do not call backward() or an optimizer step inside the checkpointed function.");
+      call_index, ") ", what, ". Recompute re-runs the checkpointed function, so it took "
+      "another path than forward: Python control flow that depends on state changed "
+      "between forward and backward (a flag, a counter, a cache, Python randomness), or "
+      "backward()/an optimizer step inside the function. Make that state the same for "
+      "both runs. ", kDropinFixes);
+}
+
+// Recompute's outputs of one call differ in shape or dtype from forward's.
+[[noreturn]] void recompute_outputs_differ(
+    const c10::OperatorHandle& op,
+    int64_t call_index,
+    c10::ArrayRef<int64_t> forward_sizes,
+    c10::ArrayRef<c10::IValue> outputs) {
+  const auto sizes = first_output_sizes(outputs);
+  if (const auto d = grown_dim(forward_sizes, sizes)) {
+    TORCH_CHECK(
+        false,
+        "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+        call_index, ") made an output ", c10::IntArrayRef(sizes), " that grew along dim ",
+        *d, " from ", forward_sizes[*d], " to ", sizes[*d], " since forward (", 
+        c10::IntArrayRef(forward_sizes), "). That is a cache the checkpointed function "
+        "appends to, such as a Hugging Face model's past_key_values: forward filled it, "
+        "and recompute, which re-runs the function, appended again. Train without the "
+        "cache (call a Hugging Face model with use_cache=False, or set "
+        "model.config.use_cache = False), or keep the cache out of the checkpointed "
+        "function. ", kDropinFixes);
+  }
+  TORCH_CHECK(
+      false,
+      "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+      call_index, ") made outputs [", describe_outputs(outputs), "] whose shapes or dtypes "
+      "differ from forward's (first output ", c10::IntArrayRef(forward_sizes), "). "
+      "Recompute re-runs the checkpointed function, which computed on other shapes or "
+      "dtypes the second time: state changed between forward and backward (autocast "
+      "entered or left, a flag, a cache, the inputs modified). Make that state the same "
+      "for both runs. ", kDropinFixes);
 }
 
 SelectiveCache::OpTraits compute_op_traits(const c10::OperatorHandle& op) {
@@ -424,6 +505,7 @@ void CachingHandler::handle(
   entries.resize(call_index);
   SelectiveCache::Entry& entry = entries.emplace_back();
   entry.signature = signature_of(outputs);
+  entry.first_output_sizes = first_output_sizes(outputs);
   entry.inputs_begin = inputs_begin;
   entry.num_inputs = num_inputs;
   entry.writes = std::move(writes);
@@ -496,8 +578,8 @@ void CachedHandler::check_inputs(
     });
   }
   if (k != forward_inputs.size() || !count_matches) {
-    recompute_mismatch(record.op, call_index,
-                       "ran with a different number of tensor arguments than in forward");
+    recompute_took_other_path(record.op, call_index,
+                              "ran with a different number of tensor arguments than in forward");
   }
 }
 
@@ -535,7 +617,7 @@ void CachedHandler::handle(
   }
   const int64_t call_index = record.recompute_calls++;
   if (call_index >= static_cast<int64_t>(record.entries.size())) {
-    recompute_mismatch(op, call_index, record.entries.empty()
+    recompute_took_other_path(op, call_index, record.entries.empty()
         ? std::string("ran in recompute but never in forward")
         : "ran in recompute, but forward ran it only " +
               std::to_string(record.entries.size()) + " times");
@@ -573,8 +655,7 @@ void CachedHandler::handle(
       const size_t num_returns = record.num_returns;
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
-        recompute_mismatch(op, call_index, "made outputs [" + describe_outputs(outputs) +
-                           "] whose shapes or dtypes differ from forward's");
+        recompute_outputs_differ(op, call_index, entry.first_output_sizes, outputs);
       }
       ++entry.recomputed;
       ++record.recomputed;

@@ -121,6 +121,9 @@ class SelectiveCache {
     int64_t new_bytes = 0;
     // Shapes and dtypes of the outputs, hashed.
     uint64_t signature = 0;
+    // The first tensor output's sizes (-1 for a symbolic size), kept to say
+    // how recompute's outputs differ when their signature does not match.
+    c10::SmallVector<int64_t, 4> first_output_sizes;
     // The call's tensor inputs in for_each_tensor order:
     // inputs_seen_[inputs_begin, inputs_begin + num_inputs). One array for
     // the whole region, so recording a call allocates nothing.

@@ -283,6 +283,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("save_all", &policies::save_all);
   m.def("recompute_all", &policies::recompute_all);
   m.def("save_matmuls", &policies::save_matmuls);
+  m.def("matmul_op_names", [] {
+    std::vector<std::string> names;
+    for (const auto& pattern : policies::matmul_ops()) {
+      names.push_back(pattern.name);
+    }
+    return names;
+  });
   m.def("ignored_op_names", [] {
     std::vector<std::pair<std::string, std::string>> names;
     for (const auto& n : ignored_op_names()) {

@@ -513,7 +513,7 @@ namespace {
 // __torch_dispatch__, whose ops come back to Region::handle.
 SavedActivation keep(const at::Tensor& t) {
   SavedActivation saved;
-  saved.kept = detached_alias(t);
+  saved.kept = held_for_backward(t);
   saved.version = version_of(t);
   saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
   return saved;
@@ -554,7 +554,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
     saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
   }
   if (s < 0 || !storages_[s].replayable) {
-    saved.kept = detached_alias(t);
+    saved.kept = held_for_backward(t);
     ++stats_.packed_kept;
     return saved;
   }

@@ -80,7 +80,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
     auto original = saved.original->lock();
     if (original.defined()) {
       ++stats_.unpacked_original;
-      return detached_alias(at::Tensor(std::move(original)));
+      return held_for_backward(at::Tensor(std::move(original)));
     }
   }
   // The storage itself may still be alive (another region, or the user,
