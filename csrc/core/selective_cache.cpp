@@ -169,9 +169,11 @@ constexpr const char* kDropinFixes =
       "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
       call_index, ") ", what, ". Recompute re-runs the checkpointed function, so it took "
       "another path than forward: Python control flow that depends on state changed "
-      "between forward and backward (a flag, a counter, a cache, Python randomness), or "
-      "backward()/an optimizer step inside the function. Make that state the same for "
-      "both runs. ", kDropinFixes);
+      "between forward and backward (a flag, a counter, Python randomness, a cache that "
+      "forward filled), or backward()/an optimizer step inside the function. Make that "
+      "state the same for both runs; for a Hugging Face model, whose cache (past_key_values, "
+      "cache_params) forward fills, call it with use_cache=False when training. ",
+      kDropinFixes);
 }
 
 // Recompute's outputs of one call differ in shape or dtype from forward's.

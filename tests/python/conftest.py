@@ -201,19 +201,11 @@ def mixed_policy_fn(ctx, op, *args, **kwargs):
     return False
 
 
-_MATMUL_NAMES = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
-
-
 def is_matmul_op(op):
-    """What torch_sac.policies.save_matmuls() is documented to save."""
-    name = op.name()
-    if name in _MATMUL_NAMES:
-        return True
-    if name.startswith("aten::") and "convolution" in name and "backward" not in name:
-        return True
-    if name.startswith("aten::") and "scaled_dot_product" in name and "backward" not in name:
-        return True
-    return False
+    """What torch_sac.policies.save_matmuls() is documented to save: the ops
+    in MATMUL_OPS (test_policy_library.py checks that list against the
+    installed torch's ops)."""
+    return op.name() in torch_sac.policies.MATMUL_OPS
 
 
 def save_matmuls_fn(ctx, op, *args, **kwargs):

@@ -171,8 +171,13 @@ def test_hugging_face_layers_found(engine):
     if engine == "dropin":
         # With a KV cache the re-run forward attends over the keys the first
         # run cached: 24 positions instead of 12. The drop-in refuses.
-        with pytest.raises(RuntimeError, match="recompute does not match forward: aten::cat"):
+        # The refusal names the cache and both fixes.
+        with pytest.raises(RuntimeError, match="recompute does not match forward: aten::cat") as err:
             run(model, use_cache=True)
+        message = str(err.value)
+        assert "grew along dim 2 from 12 to 24" in message, message
+        assert "past_key_values" in message and "use_cache=False" in message, message
+        assert 'apply_sac(engine="region")' in message, message
     else:
         ref_cached = run(build(), use_cache=True)
         assert_same_step(run(model, use_cache=True), ref_cached, "llama region, use_cache")

@@ -449,8 +449,47 @@ def test_dropin_recompute_taking_another_path_raises():
     ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
                                torch_sac.policies.recompute_all())
     out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
-    with pytest.raises(RuntimeError, match=r"recompute does not match forward: aten::cos"):
+    with pytest.raises(RuntimeError, match=r"recompute does not match forward: aten::cos") as err:
         out.sum().backward()
+    assert "took another path than forward" in str(err.value)
+    assert "region engine needs no re-run" in str(err.value)
+    nothing_installed()
+
+
+def test_dropin_recompute_with_other_shapes_names_the_cause():
+    """Recompute computes on other shapes (state read by the function changed
+    between forward and backward): the error says so, not "a cache"."""
+    sizes = iter([4, 2])
+
+    def fn(x):
+        return x[: next(sizes)].exp()
+
+    x = torch.randn(6, requires_grad=True)
+    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
+                               torch_sac.policies.recompute_all())
+    out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
+    with pytest.raises(RuntimeError, match="shapes or dtypes differ from forward's") as err:
+        out.sum().backward()
+    assert "grew" not in str(err.value)
+    nothing_installed()
+
+
+def test_dropin_recompute_after_a_cache_grew_names_the_cache():
+    """A function that appends to a Python-level cache: recompute, which
+    re-runs it, appends again and attends over twice the entries."""
+    cache = {"kv": torch.empty(0)}
+
+    def fn(x):
+        cache["kv"] = torch.cat([cache["kv"], x.sin()])
+        return cache["kv"].exp()
+
+    x = torch.randn(3, requires_grad=True)
+    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
+                               torch_sac.policies.recompute_all())
+    out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
+    with pytest.raises(RuntimeError, match="grew along dim 0 from 3 to 6") as err:
+        out.sum().backward()
+    assert "use_cache=False" in str(err.value)
     nothing_installed()
 
 

@@ -820,3 +820,77 @@ def test_to_torch_is_a_method_of_every_builtin():
         policy = make()
         fn = policy.to_torch()
         assert callable(fn) and fn.policy is policy
+
+
+# --------------------------------------------------------------------------
+# save_matmuls covers every matmul-class op of the installed torch
+# --------------------------------------------------------------------------
+
+# Ops whose names look like matmuls, convolutions or attention but are not
+# worth saving as such, with the reason.
+_NOT_MATMULS = {
+    "aten::_convert_indices_from_coo_to_csr": "index conversion",
+    "aten::_convert_indices_from_csr_to_coo": "index conversion",
+    "aten::_convert_weight_to_int4pack": "weight layout conversion, once per weight",
+    "aten::_convert_weight_to_int4pack_for_cpu": "weight layout conversion, once per weight",
+    "aten::mkldnn_reorder_conv2d_weight": "weight layout conversion, once per weight",
+    "aten::mkldnn_reorder_conv3d_weight": "weight layout conversion, once per weight",
+    "aten::_cslt_sparse_mm_search": "picks an algorithm, returns an int",
+    "aten::_flash_attention_forward_no_dropout_inplace": "writes its out argument: always recomputed",
+    "aten::_cudnn_attention_forward_no_dropout_inplace": "writes its out argument: always recomputed",
+}
+
+
+def _matmul_like_ops_autograd_sees():
+    """aten ops named like a matmul (a ``*mm`` word), convolution or
+    attention, that have a kernel below autograd (composite-implicit ops
+    decompose before torch_sac sees them); no backward or in-place ops."""
+    found = set()
+    for schema in torch._C._jit_get_all_schemas():
+        namespace, base = schema.name.split("::")
+        if namespace != "aten" or "backward" in base or base.endswith("_"):
+            continue
+        words = base.strip("_").split("_")
+        if not any(w.endswith("mm") or w.startswith("conv") or w in ("attention", "attn")
+                   for w in words):
+            continue
+        overload = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(overload, "CompositeImplicitAutograd"):
+            continue
+        found.add(schema.name)
+    return found
+
+
+def test_save_matmuls_lists_every_matmul_of_the_installed_torch():
+    """A release that adds a matmul-class op fails here until the op is in
+    builtin_policies.cpp's list (or in _NOT_MATMULS with its reason)."""
+    missing = _matmul_like_ops_autograd_sees() - set(policies.MATMUL_OPS) - set(_NOT_MATMULS)
+    assert not missing, f"save_matmuls() does not save {sorted(missing)}"
+    assert not set(policies.MATMUL_OPS) & set(_NOT_MATMULS)
+    for name in ("aten::_grouped_mm", "aten::_scaled_mm", "aten::_scaled_grouped_mm",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_cudnn_attention", "flash_attn::_flash_attn_forward"):
+        assert name in policies.MATMUL_OPS
+
+
+def test_save_matmuls_saves_grouped_mm_exactly():
+    """MoE experts' grouped matmul (torch._grouped_mm, as transformers 5 runs
+    them): saved by save_matmuls, gradients bitwise."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=g, requires_grad=True)
+    w = torch.randn(3, 8, 8, generator=g, requires_grad=True)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+
+    def experts(x, w):
+        return torch._grouped_mm(x.tanh(), w, offs=offs).relu().sum(1)
+
+    experts(x, w).pow(2).sum().backward()
+    ref = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    with torch_sac.sac_context(policies.save_matmuls()) as region:
+        out = experts(x, w)
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, ref[0]) and torch.equal(w.grad, ref[1])
+    rows = {r["op"]: r for r in region.op_details()}
+    assert rows["aten::_grouped_mm.default"]["saved"] == 1
+    assert rows["aten::_grouped_mm.default"]["dropped"] == 0
