@@ -592,6 +592,66 @@ def test_hf_moe_step(policy_name):
     check_hf(build_mixtral, "region", policy_name, f"mixtral (experts: {impl})/region/{policy_name}")
 
 
+def _op_row(region, name):
+    return {r["op"]: r for r in region.op_details()}[name]
+
+
+def test_grouped_mm_saved_by_save_matmuls():
+    """MoE experts' grouped matmul (bf16 on CUDA, as transformers 5 runs
+    them): saved by save_matmuls, never replayed, gradients bitwise."""
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x0 = torch.randn(64, 32, generator=g).to(DEVICE, dtype)
+    w0 = torch.randn(4, 32, 32, generator=g).to(DEVICE, dtype)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32, device=DEVICE)
+
+    def step(region_policy):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ctx = torch_sac.sac_context(region_policy) if region_policy else contextlib.nullcontext()
+        with ctx as region:
+            out = torch._grouped_mm(x.tanh(), w, offs=offs).float().relu()
+        out.pow(2).sum().backward()
+        return region, {"x.grad": x.grad, "w.grad": w.grad}
+
+    _, ref = step(None)
+    region, got = step(torch_sac.policies.save_matmuls())
+    assert_bitwise(got, ref, "grouped_mm")
+    row = _op_row(region, "aten::_grouped_mm.default")
+    assert (row["saved"], row["dropped"], row["replayed"]) == (1, 0, 0), row
+
+
+def test_scaled_mm_saved_by_save_matmuls():
+    """An FP8 matmul (torch._scaled_mm, which autograd cannot differentiate:
+    training runs it on detached FP8 copies) whose output a later op saves:
+    kept, not rebuilt."""
+    if ON_CUDA and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 _scaled_mm needs compute capability 8.9 or later")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(32, 64, generator=g).to(DEVICE).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 64, generator=g).to(DEVICE).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device=DEVICE)
+    w0 = torch.randn(32, 32, generator=g).to(DEVICE)
+    try:
+        torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        pytest.skip(f"_scaled_mm unsupported here: {str(e).splitlines()[0]}")
+
+    def step(region_policy):
+        w = w0.clone().requires_grad_()
+        ctx = torch_sac.sac_context(region_policy) if region_policy else contextlib.nullcontext()
+        with ctx as region:
+            h = torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16).float()
+            out = (h * w).sin()
+        out.sum().backward()
+        return region, {"w.grad": w.grad}
+
+    _, ref = step(None)
+    region, got = step(torch_sac.policies.save_matmuls())
+    assert_bitwise(got, ref, "scaled_mm")
+    row = _op_row(region, "aten::_scaled_mm.default")
+    assert (row["saved"], row["dropped"]) == (1, 0), row
+
+
 # --------------------------------------------------------------------------
 # 5. Streams and threads
 # --------------------------------------------------------------------------

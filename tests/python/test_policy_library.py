@@ -894,3 +894,29 @@ def test_save_matmuls_saves_grouped_mm_exactly():
     rows = {r["op"]: r for r in region.op_details()}
     assert rows["aten::_grouped_mm.default"]["saved"] == 1
     assert rows["aten::_grouped_mm.default"]["dropped"] == 0
+
+
+def test_save_matmuls_keeps_a_scaled_mm_output_a_later_op_saves():
+    """FP8 _scaled_mm (not differentiable: training runs it on detached FP8
+    copies) whose output mul saves: kept by save_matmuls, not rebuilt."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    try:
+        torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"CPU _scaled_mm unsupported by this torch: {str(e).splitlines()[0]}")
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+
+    def fn():
+        return (torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16).float() * w).sin()
+
+    fn().sum().backward()
+    ref, w.grad = w.grad, None
+    with torch_sac.sac_context(policies.save_matmuls()) as region:
+        out = fn()
+    out.sum().backward()
+    assert torch.equal(w.grad, ref)
+    row = {r["op"]: r for r in region.op_details()}["aten::_scaled_mm.default"]
+    assert (row["saved"], row["dropped"]) == (1, 0), row
