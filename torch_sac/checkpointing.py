@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C, _compat, _compile
+from ._policy_conversion import as_op_policy
 from .contexts import create_selective_checkpoint_contexts, selective_policy_of_contexts
 from .region import _check_replay_budget, _unpack_plan, sac_context
 
@@ -259,6 +260,15 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
             "torch_sac.checkpoint_sequential: unexpected keyword arguments: "
             f"{', '.join(unexpected)} (it passes only checkpoint's keywords on: "
             f"{', '.join(k for k in _CHECKPOINT_KEYWORDS if k != 'use_reentrant')})")
+    # Checked here, not only by the checkpoint() calls below: with one
+    # segment there are none, and a bad keyword would pass unnoticed.
+    _check_torch_keywords(
+        use_reentrant, kwargs.get("determinism_check", "default"), kwargs.get("debug", False),
+        kwargs.get("early_stop", True), kwargs.get("preserve_rng_state", True),
+        kwargs.get("respect_saved_tensors_hooks"), "checkpoint_sequential")
+    _check_replay_budget(kwargs.get("replay_budget"), "checkpoint_sequential")
+    if kwargs.get("policy") is not None:
+        as_op_policy(_unpack_plan(kwargs["policy"], None)[0], "checkpoint_sequential")
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     else:

@@ -383,3 +383,16 @@ def test_checkpoint_sequential_unexpected_keyword():
 def test_respect_saved_tensors_hooks_flag_matches_the_installed_torch():
     has = "respect_saved_tensors_hooks" in inspect.signature(tc.checkpoint).parameters
     assert _compat.CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS is has
+
+
+@pytest.mark.parametrize("keywords,error,match", [
+    (dict(use_reentrant=True), ValueError, "use_reentrant"),
+    (dict(determinism_check="x"), ValueError, "determinism_check"),
+    (dict(policy="save everything"), TypeError, "policy|checkpoint_sequential"),
+    (dict(replay_budget=-1), ValueError, "replay_budget"),
+])
+def test_checkpoint_sequential_checks_keywords_with_one_segment(keywords, error, match):
+    """One segment checkpoints nothing; bad keywords still raise."""
+    with pytest.raises(error, match=match):
+        torch_sac.checkpoint_sequential([nn.ReLU()], 1, torch.randn(2, requires_grad=True),
+                                        **keywords)
