@@ -15,6 +15,7 @@ import collections
 import contextlib
 import functools
 import math
+import os
 import sys
 import threading
 
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_sac
 from conftest import (
+    REPO_ROOT,
     ObservedRecompute,
     assert_drop_in_cached,
     RUN_SEED,
@@ -920,3 +922,10 @@ def test_save_matmuls_keeps_a_scaled_mm_output_a_later_op_saves():
     assert torch.equal(w.grad, ref)
     row = {r["op"]: r for r in region.op_details()}["aten::_scaled_mm.default"]
     assert (row["saved"], row["dropped"]) == (1, 0), row
+
+
+def test_docs_list_every_op_save_matmuls_saves():
+    with open(os.path.join(REPO_ROOT, "docs", "policies.md")) as f:
+        page = f.read()
+    missing = [name for name in policies.MATMUL_OPS if f"`{name}`" not in page]
+    assert not missing, f"docs/policies.md does not list {missing}"
