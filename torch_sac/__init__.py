@@ -68,8 +68,8 @@ def _ignored_ops():
     return frozenset(ops)
 
 
-#: Ops never passed to a policy: metadata queries and detach, whose count
-#: differs between forward and recompute. A superset of PyTorch's
+#: Ops never passed to a policy, namely metadata queries and detach, whose
+#: count differs between forward and recompute. A superset of PyTorch's
 #: ``torch.utils.checkpoint.SAC_IGNORED_OPS``.
 IGNORED_OPS = _ignored_ops()
 

@@ -688,7 +688,7 @@ class ModelBudget:
 
     @property
     def budget_bytes(self):
-        """Summed over blocks: the most the plans let the blocks keep."""
+        """The most the plans let the blocks keep, summed over blocks."""
         return sum(plan.budget_bytes for plan in self._by_block.values())
 
     @property

@@ -89,7 +89,8 @@ def checkpoint(function=None, *args, use_reentrant=None,
         function: the function to checkpoint. Left out (with no ``args``),
             the call returns a decorator that checkpoints the function it
             wraps with these keywords, as in PyTorch 2.14+.
-        *args, **kwargs: passed to ``function``.
+        *args: passed to ``function``.
+        **kwargs: passed to ``function``.
         use_reentrant (bool, optional): ``None`` or ``False``. ``True``
             raises ``ValueError``: the region is non-reentrant.
         context_fn: as in PyTorch. A ``context_fn`` made from torch_sac's or

@@ -166,6 +166,7 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
 
     Args:
         policy_fn_or_list: one of
+
             - a callable ``policy(ctx, op, *args, **kwargs)`` with PyTorch's
               signature (``ctx.op_output`` holds the op's output,
               ``ctx.is_recompute`` is always False), returning a

@@ -608,7 +608,7 @@ class profile:
 
     @property
     def ops(self):
-        """Per op overload, summed over the regions: a list of dicts."""
+        """A list of dicts, per op overload, summed over the regions."""
         return self._results("ops")["ops"]
 
     def to_dict(self):

@@ -99,7 +99,7 @@ class ReplaySchedule:
 
     @property
     def recomputed(self):
-        """How many rebuilds each tensor key was rebuilt in: ``{key: count}``
+        """How many rebuilds each tensor key was rebuilt in, as ``{key: count}``
         (a tensor rebuilt on the way of several rebuilds counts in each)."""
         counts = {}
         for step in self.rebuilds:
