@@ -1,4 +1,4 @@
-#include "budget_policy.h"
+#include "policies/budget_policy.h"
 
 #include <c10/util/Exception.h>
 
@@ -8,12 +8,11 @@ SavedCallsPolicy::SavedCallsPolicy(const std::vector<SavedCall>& calls, std::str
     : label_(std::move(label)) {
   for (const auto& c : calls) {
     TORCH_CHECK_VALUE(
-        c.op.name.find("::") != std::string::npos,
-        "torch_sac: op name '", c.op.name,
+        c.op.name.find("::") != std::string::npos, "torch_sac: op name '", c.op.name,
         "' must be qualified with its namespace, e.g. 'aten::mm'");
     TORCH_CHECK_VALUE(
-        c.call_index >= 0, "torch_sac: call index must be >= 0, got ", c.call_index,
-        " for ", c.op.name);
+        c.call_index >= 0, "torch_sac: call index must be >= 0, got ", c.call_index, " for ",
+        c.op.name);
     auto handle = c10::Dispatcher::singleton().findOp(c.op);
     auto& indices = handle ? by_handle_[*handle] : by_name_[c.op];
     if (indices.size() <= static_cast<size_t>(c.call_index)) {
@@ -42,7 +41,9 @@ std::string SavedCallsPolicy::describe() const {
   return label_.empty() ? "save_calls(" + std::to_string(size_) + " calls)" : label_;
 }
 
-std::shared_ptr<SavedCallsPolicy> save_calls(const std::vector<SavedCall>& calls, std::string label) {
+std::shared_ptr<SavedCallsPolicy> save_calls(
+    const std::vector<SavedCall>& calls,
+    std::string label) {
   return std::make_shared<SavedCallsPolicy>(calls, std::move(label));
 }
 

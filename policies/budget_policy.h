@@ -17,8 +17,8 @@
 namespace torch_sac::policies {
 
 struct SavedCall {
-  c10::OperatorName op;  // {"aten::mm", ""} for aten.mm.default
-  int64_t call_index;    // 0-based, per op overload, within one region
+  c10::OperatorName op; // {"aten::mm", ""} for aten.mm.default
+  int64_t call_index;   // 0-based, per op overload, within one region
 };
 
 // MUST_SAVE for exactly the listed calls, PREFER_RECOMPUTE for every other

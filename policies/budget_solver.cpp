@@ -1,4 +1,4 @@
-#include "budget_solver.h"
+#include "policies/budget_solver.h"
 
 #include <c10/util/Exception.h>
 
@@ -45,9 +45,9 @@ struct Increment {
 
 struct Reduced {
   std::vector<Group> groups;
-  std::vector<int32_t> free_items;  // keep no paid storage: always chosen
+  std::vector<int32_t> free_items; // keep no paid storage: always chosen
   double free_value = 0;
-  bool exact = true;                // every component enumerated exactly
+  bool exact = true; // every component enumerated exactly
   std::string note;
   // Increments of all groups, by slope (value density) descending.
   std::vector<Increment> increments;
@@ -78,7 +78,8 @@ class UnionFind {
 };
 
 void validate(const Problem& p) {
-  TORCH_CHECK_VALUE(p.capacity >= 0, "torch_sac.budget: capacity must be >= 0 bytes, got ", p.capacity);
+  TORCH_CHECK_VALUE(
+      p.capacity >= 0, "torch_sac.budget: capacity must be >= 0 bytes, got ", p.capacity);
   for (size_t s = 0; s < p.storage_bytes.size(); ++s) {
     TORCH_CHECK_VALUE(
         p.storage_bytes[s] >= 0, "torch_sac.budget: storage ", s, " has negative size ",
@@ -88,8 +89,8 @@ void validate(const Problem& p) {
   for (size_t i = 0; i < p.items.size(); ++i) {
     const Item& item = p.items[i];
     TORCH_CHECK_VALUE(
-        std::isfinite(item.value) && item.value >= 0, "torch_sac.budget: item ", i,
-        " has value ", item.value, "; values must be finite and >= 0");
+        std::isfinite(item.value) && item.value >= 0, "torch_sac.budget: item ", i, " has value ",
+        item.value, "; values must be finite and >= 0");
     for (int64_t s : item.storages) {
       TORCH_CHECK_VALUE(
           s >= 0 && s < n_storages, "torch_sac.budget: item ", i, " refers to storage ", s,
@@ -105,7 +106,7 @@ void pareto_filter(std::vector<Option>& options) {
     return a.w != b.w ? a.w < b.w : a.v > b.v;
   });
   std::vector<Option> kept;
-  double best = 0;  // the empty option (0 bytes, 0 value) is always available
+  double best = 0; // the empty option (0 bytes, 0 value) is always available
   for (auto& o : options) {
     if (o.v > best) {
       best = o.v;
@@ -131,7 +132,8 @@ void build_hull(Group& g) {
       const auto a = point(hull[hull.size() - 2]);
       const auto b = point(hull.back());
       // Drop b unless the slope a->b is strictly greater than b->p.
-      if ((b.second - a.second) * (p.first - b.first) <= (p.second - b.second) * (b.first - a.first)) {
+      if ((b.second - a.second) * (p.first - b.first) <=
+          (p.second - b.second) * (b.first - a.first)) {
         hull.pop_back();
       } else {
         break;
@@ -144,8 +146,8 @@ void build_hull(Group& g) {
 
 // The options of one alias component.
 struct Component {
-  std::vector<int64_t> storages;  // global storage indices
-  std::vector<int32_t> items;     // global item indices
+  std::vector<int64_t> storages; // global storage indices
+  std::vector<int32_t> items;    // global item indices
 };
 
 void enumerate_by_storages(
@@ -157,7 +159,8 @@ void enumerate_by_storages(
   std::vector<uint32_t> item_mask(c.items.size(), 0);
   for (size_t j = 0; j < c.items.size(); ++j) {
     for (int64_t s : item_storages[c.items[j]]) {
-      const auto pos = std::lower_bound(c.storages.begin(), c.storages.end(), s) - c.storages.begin();
+      const auto pos = std::lower_bound(c.storages.begin(), c.storages.end(), s) -
+          c.storages.begin();
       item_mask[j] |= 1u << pos;
     }
   }
@@ -211,8 +214,9 @@ void enumerate_by_items(
   std::vector<std::vector<int32_t>> local(m);
   for (size_t j = 0; j < m; ++j) {
     for (int64_t s : item_storages[c.items[j]]) {
-      local[j].push_back(static_cast<int32_t>(
-          std::lower_bound(c.storages.begin(), c.storages.end(), s) - c.storages.begin()));
+      local[j].push_back(
+          static_cast<int32_t>(
+              std::lower_bound(c.storages.begin(), c.storages.end(), s) - c.storages.begin()));
     }
   }
   std::vector<char> paid(k);
@@ -235,10 +239,12 @@ void enumerate_by_items(
     Option o{w, 0.0, {}};
     bool closed = true;
     for (size_t j = 0; j < m; ++j) {
-      const bool covered = std::all_of(local[j].begin(), local[j].end(), [&](int32_t s) { return paid[s] != 0; });
+      const bool covered = std::all_of(local[j].begin(), local[j].end(), [&](int32_t s) {
+        return paid[s] != 0;
+      });
       if (covered) {
         if (!(subset & (1u << j))) {
-          closed = false;  // the closure is another subset, enumerated too
+          closed = false; // the closure is another subset, enumerated too
           break;
         }
         o.v += p.items[c.items[j]].value;
@@ -282,7 +288,7 @@ void approximate_chain(
         continue;
       }
       const double density = w == 0 ? std::numeric_limits<double>::infinity()
-                                     : p.items[c.items[j]].value / static_cast<double>(w);
+                                    : p.items[c.items[j]].value / static_cast<double>(w);
       if (density > best_density) {
         best_density = density;
         best = static_cast<int64_t>(j);
@@ -315,7 +321,7 @@ Reduced reduce(const Problem& p, const Options& opts) {
   for (size_t i = 0; i < p.items.size(); ++i) {
     const Item& item = p.items[i];
     if (!(item.value > 0)) {
-      continue;  // saving it gains nothing
+      continue; // saving it gains nothing
     }
     auto& st = item_storages[i];
     for (int64_t s : item.storages) {
@@ -390,9 +396,9 @@ Reduced reduce(const Problem& p, const Options& opts) {
       pv = o.v;
     }
   }
-  std::stable_sort(r.increments.begin(), r.increments.end(), [](const Increment& a, const Increment& b) {
-    return a.slope > b.slope;
-  });
+  std::stable_sort(
+      r.increments.begin(), r.increments.end(),
+      [](const Increment& a, const Increment& b) { return a.slope > b.slope; });
   return r;
 }
 
@@ -413,8 +419,10 @@ class LpBound {
     if (r >= pw_[n] - pw_[start]) {
       return pv_[n] - pv_[start];
     }
-    const int64_t key = pw_[start] + r;  // < pw_[n]: no overflow
-    const size_t j = static_cast<size_t>(std::upper_bound(pw_.begin() + start, pw_.end(), key) - pw_.begin()) - 1;
+    const int64_t key = pw_[start] + r; // < pw_[n]: no overflow
+    const size_t j = static_cast<size_t>(
+                         std::upper_bound(pw_.begin() + start, pw_.end(), key) - pw_.begin()) -
+        1;
     return pv_[j] - pv_[start] + static_cast<double>(key - pw_[j]) * incs_[j].slope;
   }
   // Max LP value of all increments but the one at `skip`, within `r` bytes.
@@ -423,7 +431,7 @@ class LpBound {
       return -std::numeric_limits<double>::infinity();
     }
     if (r <= pw_[skip]) {
-      return (*this)(0, r);  // the LP stops before reaching `skip`
+      return (*this)(0, r); // the LP stops before reaching `skip`
     }
     return pv_[skip] + (*this)(skip + 1, r - pw_[skip]);
   }
@@ -442,7 +450,11 @@ struct Assignment {
 };
 
 // Moves groups to better options while leftover capacity allows.
-void fill_up(const Reduced& r, const std::vector<int32_t>& group_order, int64_t capacity, Assignment& a) {
+void fill_up(
+    const Reduced& r,
+    const std::vector<int32_t>& group_order,
+    int64_t capacity,
+    Assignment& a) {
   for (int pass = 0; pass < 4; ++pass) {
     bool improved = false;
     for (int32_t gi : group_order) {
@@ -508,7 +520,7 @@ Assignment solve_greedy(const Reduced& r, int64_t capacity) {
   int32_t best_group = -1;
   double best_value = a.v;
   for (size_t g = 0; g < n_groups; ++g) {
-    const Option& top = r.groups[g].options.back();  // Pareto: most valuable last
+    const Option& top = r.groups[g].options.back(); // Pareto: most valuable last
     if (top.v > best_value) {
       best_value = top.v;
       best_group = static_cast<int32_t>(g);
@@ -550,7 +562,7 @@ ExactResult solve_exact(
   // bound without it cannot beat the incumbent, every better solution takes
   // it; if the LP bound with it cannot, no better solution takes it. The DP
   // then only sees the remaining "core" groups.
-  std::vector<int8_t> fixed(n_groups, 0);  // 1: in, -1: out
+  std::vector<int8_t> fixed(n_groups, 0); // 1: in, -1: out
   {
     const LpBound full(r.increments);
     for (size_t pos = 0; pos < r.increments.size(); ++pos) {
@@ -607,8 +619,8 @@ ExactResult solve_exact(
   struct State {
     int64_t w;
     double v;
-    int32_t node;    // decisions so far (for a pending candidate: the parent's)
-    int32_t option;  // pending: option of the current group taken, -1 if none
+    int32_t node;   // decisions so far (for a pending candidate: the parent's)
+    int32_t option; // pending: option of the current group taken, -1 if none
   };
   std::vector<Node> arena;
   // Values in the DP are relative to the fixed groups' (base_w, base_v).
@@ -635,7 +647,7 @@ ExactResult solve_exact(
       shifted.clear();
       for (const State& s : states) {
         if (s.w + opt.w > room) {
-          break;  // states are sorted by weight
+          break; // states are sorted by weight
         }
         shifted.push_back({s.w + opt.w, s.v + opt.v, s.node, o});
       }
@@ -648,7 +660,8 @@ ExactResult solve_exact(
         const State* c;
         if (j >= shifted.size() ||
             (i < merged.size() &&
-             (merged[i].w < shifted[j].w || (merged[i].w == shifted[j].w && merged[i].v >= shifted[j].v)))) {
+             (merged[i].w < shifted[j].w ||
+              (merged[i].w == shifted[j].w && merged[i].v >= shifted[j].v)))) {
           c = &merged[i++];
         } else {
           c = &shifted[j++];
@@ -693,7 +706,7 @@ ExactResult solve_exact(
   }
   result.finished = true;
   if (!improved) {
-    return result;  // the incumbent is optimal
+    return result; // the incumbent is optimal
   }
   Assignment a;
   a.choice.assign(n_groups, -1);
@@ -730,7 +743,7 @@ double relaxed_upper_bound(const Problem& p) {
       ++sharers[s];
     }
   }
-  std::vector<std::pair<double, double>> wv;  // (weight share, value)
+  std::vector<std::pair<double, double>> wv; // (weight share, value)
   double bound = 0;
   for (size_t i = 0; i < p.items.size(); ++i) {
     if (!(p.items[i].value > 0)) {
@@ -804,8 +817,7 @@ Solution solve(const Problem& problem, const Options& options) {
         ? Method::Greedy
         : Method::Exact;
     if (method == Method::Greedy) {
-      sol.note = "more than " + std::to_string(options.auto_exact_max_items) +
-          " items: greedy";
+      sol.note = "more than " + std::to_string(options.auto_exact_max_items) + " items: greedy";
     }
   }
   Assignment chosen = greedy;
@@ -813,7 +825,7 @@ Solution solve(const Problem& problem, const Options& options) {
   bool proven = false;
   const bool greedy_is_optimal = r.exact && greedy.v >= lp - tolerance(lp);
   if (method == Method::Exact && greedy_is_optimal) {
-    sol.method = Method::Exact;  // the LP bound proves the greedy solution optimal
+    sol.method = Method::Exact; // the LP bound proves the greedy solution optimal
     proven = true;
   } else if (method == Method::Exact) {
     ExactResult exact = solve_exact(r, capacity, greedy, options.max_states);
@@ -824,12 +836,10 @@ Solution solve(const Problem& problem, const Options& options) {
       proven = true;
     } else {
       TORCH_CHECK(
-          options.method != Method::Exact,
-          "torch_sac.budget: the exact solver gave up after ", exact.states,
-          " states (max_states=", options.max_states, ") on ", r.groups.size(),
+          options.method != Method::Exact, "torch_sac.budget: the exact solver gave up after ",
+          exact.states, " states (max_states=", options.max_states, ") on ", r.groups.size(),
           " groups. Use solver='greedy' or 'auto', or raise max_states.");
-      sol.note = "exact solver gave up after " + std::to_string(exact.states) +
-          " states: greedy";
+      sol.note = "exact solver gave up after " + std::to_string(exact.states) + " states: greedy";
     }
   }
 

@@ -1,4 +1,4 @@
-#include "builtin_policies.h"
+#include "policies/builtin_policies.h"
 
 #include <c10/util/Exception.h>
 
@@ -32,8 +32,7 @@ class SaveOpsPolicy final : public OpPolicy {
   SaveOpsPolicy(const std::vector<OpPattern>& ops, std::string label)
       : matcher_(ops), label_(std::move(label)) {}
   Policy decide(const OpCall& call) override {
-    return matcher_.matches(call.op.operator_name()) ? Policy::MustSave
-                                                     : Policy::PreferRecompute;
+    return matcher_.matches(call.op.operator_name()) ? Policy::MustSave : Policy::PreferRecompute;
   }
   bool needs_values() const override {
     return false;
@@ -49,11 +48,9 @@ class SaveOpsPolicy final : public OpPolicy {
 
 class EveryNthPolicy final : public OpPolicy {
  public:
-  EveryNthPolicy(const std::vector<OpPattern>& ops, int64_t n)
-      : matcher_(ops), n_(n) {}
+  EveryNthPolicy(const std::vector<OpPattern>& ops, int64_t n) : matcher_(ops), n_(n) {}
   Policy decide(const OpCall& call) override {
-    const bool save =
-        matcher_.matches(call.op.operator_name()) && call.call_index % n_ == 0;
+    const bool save = matcher_.matches(call.op.operator_name()) && call.call_index % n_ == 0;
     return save ? Policy::MustSave : Policy::PreferRecompute;
   }
   bool needs_values() const override {
@@ -133,8 +130,8 @@ class SaveByNamePolicy final : public OpPolicy {
   }
 
  private:
-  std::vector<bool> listed_;        // by NameId
-  std::vector<std::string> names_;  // in the order given, without repeats
+  std::vector<bool> listed_;       // by NameId
+  std::vector<std::string> names_; // in the order given, without repeats
 };
 
 } // namespace
@@ -142,8 +139,7 @@ class SaveByNamePolicy final : public OpPolicy {
 OpMatcher::OpMatcher(const std::vector<OpPattern>& patterns) {
   for (const auto& p : patterns) {
     TORCH_CHECK_VALUE(
-        p.name.find("::") != std::string::npos,
-        "torch_sac: op name '", p.name,
+        p.name.find("::") != std::string::npos, "torch_sac: op name '", p.name,
         "' must be qualified with its namespace, e.g. 'aten::mm'");
     if (p.overload) {
       overloads_.insert(c10::OperatorName(p.name, *p.overload));
@@ -201,31 +197,59 @@ const std::vector<OpPattern>& matmul_ops() {
     std::vector<OpPattern> patterns;
     for (const char* name : {
              // Dense, batched, grouped (MoE experts), fused-epilogue.
-             "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
-             "aten::_addmm_activation", "aten::_grouped_mm", "aten::_foreach_mm",
+             "aten::mm",
+             "aten::addmm",
+             "aten::bmm",
+             "aten::baddbmm",
+             "aten::addbmm",
+             "aten::_addmm_activation",
+             "aten::_grouped_mm",
+             "aten::_foreach_mm",
              // Low precision and quantized weights (FP8, int8, int4).
-             "aten::_scaled_mm", "aten::_scaled_mm_v2", "aten::_scaled_addmm",
-             "aten::_scaled_grouped_mm", "aten::_scaled_grouped_mm_v2", "aten::_int_mm",
-             "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm",
+             "aten::_scaled_mm",
+             "aten::_scaled_mm_v2",
+             "aten::_scaled_addmm",
+             "aten::_scaled_grouped_mm",
+             "aten::_scaled_grouped_mm_v2",
+             "aten::_int_mm",
+             "aten::_weight_int8pack_mm",
+             "aten::_weight_int4pack_mm",
              "aten::_weight_int4pack_mm_for_cpu",
              "aten::_weight_int4pack_mm_with_scales_and_zeros",
              // Sparse operands: 2:4 semi-structured weights, COO/CSR tensors.
-             "aten::_cslt_sparse_mm", "aten::_sparse_semi_structured_mm",
-             "aten::_sparse_semi_structured_addmm", "aten::_sparse_addmm",
-             "aten::_sparse_mm_reduce_impl", "aten::sparse_sampled_addmm", "aten::hspmm",
+             "aten::_cslt_sparse_mm",
+             "aten::_sparse_semi_structured_mm",
+             "aten::_sparse_semi_structured_addmm",
+             "aten::_sparse_addmm",
+             "aten::_sparse_mm_reduce_impl",
+             "aten::sparse_sampled_addmm",
+             "aten::hspmm",
              "aten::sspaddmm",
              // Convolutions: the autograd-level op and each backend's kernel.
-             "aten::convolution", "aten::_convolution", "aten::convolution_overrideable",
-             "aten::conv_tbc", "aten::mkldnn_convolution", "aten::cudnn_convolution",
-             "aten::cudnn_convolution_transpose", "aten::cudnn_convolution_relu",
-             "aten::cudnn_convolution_add_relu", "aten::miopen_convolution",
-             "aten::miopen_convolution_transpose", "aten::miopen_depthwise_convolution",
-             "aten::miopen_convolution_relu", "aten::miopen_convolution_add_relu",
-             "aten::_mps_convolution", "aten::_mps_convolution_transpose",
-             "aten::_nnpack_spatial_convolution", "aten::_slow_conv2d_forward",
-             "aten::slow_conv3d_forward", "aten::slow_conv_dilated2d",
-             "aten::slow_conv_dilated3d", "aten::slow_conv_transpose2d",
-             "aten::slow_conv_transpose3d", "aten::_conv_depthwise2d",
+             "aten::convolution",
+             "aten::_convolution",
+             "aten::convolution_overrideable",
+             "aten::conv_tbc",
+             "aten::mkldnn_convolution",
+             "aten::cudnn_convolution",
+             "aten::cudnn_convolution_transpose",
+             "aten::cudnn_convolution_relu",
+             "aten::cudnn_convolution_add_relu",
+             "aten::miopen_convolution",
+             "aten::miopen_convolution_transpose",
+             "aten::miopen_depthwise_convolution",
+             "aten::miopen_convolution_relu",
+             "aten::miopen_convolution_add_relu",
+             "aten::_mps_convolution",
+             "aten::_mps_convolution_transpose",
+             "aten::_nnpack_spatial_convolution",
+             "aten::_slow_conv2d_forward",
+             "aten::slow_conv3d_forward",
+             "aten::slow_conv_dilated2d",
+             "aten::slow_conv_dilated3d",
+             "aten::slow_conv_transpose2d",
+             "aten::slow_conv_transpose3d",
+             "aten::_conv_depthwise2d",
              "aten::conv_depthwise3d",
              // Attention: the SDPA kernels (CPU, flash, efficient, cuDNN, others'
              // backends), their lower-level forwards, fused MHA.
@@ -235,11 +259,15 @@ const std::vector<OpPattern>& matmul_ops() {
              "aten::_scaled_dot_product_cudnn_attention",
              "aten::_scaled_dot_product_fused_attention_overrideable",
              "aten::_scaled_dot_product_attention_math_for_mps",
-             "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
-             "aten::_cudnn_attention_forward", "aten::_native_multi_head_attention",
-             "aten::_triton_multi_head_attention", "aten::_triton_scaled_dot_attention",
+             "aten::_flash_attention_forward",
+             "aten::_efficient_attention_forward",
+             "aten::_cudnn_attention_forward",
+             "aten::_native_multi_head_attention",
+             "aten::_triton_multi_head_attention",
+             "aten::_triton_scaled_dot_attention",
              // flash-attn 2 and 3's custom ops, when the library is loaded.
-             "flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+             "flash_attn::_flash_attn_forward",
+             "flash_attn::_flash_attn_varlen_forward",
              "flash_attn_3::fwd",
          }) {
       patterns.push_back({name, std::nullopt});

@@ -14,7 +14,7 @@ namespace torch_sac::policies {
 // `name` ("aten::mm"), as an OpOverloadPacket does in Python.
 struct OpPattern {
   std::string name;
-  std::optional<std::string> overload;  // "" is the default overload
+  std::optional<std::string> overload; // "" is the default overload
 };
 
 // Matches op names against a list of patterns.

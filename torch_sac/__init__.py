@@ -19,6 +19,7 @@ if _BUILT_WITH_TORCH is not None:
 
 from . import _C  # noqa: E402
 
+__version__ = _C.__version__  # pyproject.toml's, compiled in by CMake
 _compat.check_built_with(_C.built_with_torch())
 # The installed torch's SAC_IGNORED_OPS joins torch_sac's own set before any
 # region exists (torch 2.15 adds prim.layout.default).

@@ -71,8 +71,9 @@ class ObservedSavedVariableHooks final : public SavedVariableHooks {
     TORCH_CHECK(
         now == version_,
         "one of the variables needed for gradient computation has been modified by an "
-        "inplace operation: a tensor of shape ", saved_.sizes(), " is at version ", now,
-        "; expected version ", version_, " instead. (torch_sac: it was saved for backward "
+        "inplace operation: a tensor of shape ",
+        saved_.sizes(), " is at version ", now, "; expected version ", version_,
+        " instead. (torch_sac: it was saved for backward "
         "while torch_sac::policies::budget profiled the region.)");
     return saved_;
   }

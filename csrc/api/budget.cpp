@@ -41,7 +41,7 @@ std::string format_cost(double c, Cost cost) {
         return buf;
       }
     }
-    std::snprintf(buf, sizeof(buf), "%.0f FLOP", c);  // counted, not measured: no fraction
+    std::snprintf(buf, sizeof(buf), "%.0f FLOP", c); // counted, not measured: no fraction
     return buf;
   }
   const double magnitude = std::abs(c);
@@ -61,20 +61,27 @@ void check_options(const BudgetOptions& o, const char* where) {
       "{.bytes = 64 << 20} for 64 MiB");
   if (o.bytes) {
     TORCH_CHECK_VALUE(
-        *o.bytes >= 0, where, ": BudgetOptions::bytes must be >= 0 (0 saves only calls that keep "
-        "no region memory), got ", *o.bytes);
+        *o.bytes >= 0, where,
+        ": BudgetOptions::bytes must be >= 0 (0 saves only calls that keep "
+        "no region memory), got ",
+        *o.bytes);
   } else {
     TORCH_CHECK_VALUE(
         std::isfinite(*o.fraction) && *o.fraction >= 0, where,
         ": BudgetOptions::fraction must be finite and >= 0 (1.0: the region's whole "
-        "un-checkpointed activation memory), got ", *o.fraction);
+        "un-checkpointed activation memory), got ",
+        *o.fraction);
   }
   TORCH_CHECK_VALUE(
-      o.repeats >= 0, where, ": BudgetOptions::repeats (replays per op when timing) must be "
-      ">= 0, got ", o.repeats);
+      o.repeats >= 0, where,
+      ": BudgetOptions::repeats (replays per op when timing) must be "
+      ">= 0, got ",
+      o.repeats);
   TORCH_CHECK_VALUE(
-      o.max_states > 0, where, ": BudgetOptions::max_states (the exact solver's work limit) "
-      "must be > 0, got ", o.max_states);
+      o.max_states > 0, where,
+      ": BudgetOptions::max_states (the exact solver's work limit) "
+      "must be > 0, got ",
+      o.max_states);
   TORCH_CHECK_VALUE(
       o.cost == Cost::Time || o.cost == Cost::Flops, where,
       ": BudgetOptions::cost must be Cost::Time or Cost::Flops, got ", static_cast<int>(o.cost));
@@ -119,9 +126,10 @@ BudgetPlan make_plan(std::shared_ptr<const api::RegionProfile> profile, const Bu
 
   plan.calls.reserve(p.calls.size());
   for (const api::ProfiledCall& call : p.calls) {
-    plan.calls.push_back(PlannedCall{
-        call.op.operator_name(), call.call_index, cost_of(call), p.call_bytes(call),
-        p.new_bytes(call), call.saveable, call.why_not, /*saved=*/false});
+    plan.calls.push_back(
+        PlannedCall{
+            call.op.operator_name(), call.call_index, cost_of(call), p.call_bytes(call),
+            p.new_bytes(call), call.saveable, call.why_not, /*saved=*/false});
     plan.total_cost += plan.calls.back().cost;
   }
   for (int64_t j : solution.chosen) {
@@ -143,10 +151,10 @@ BudgetPlan make_plan(std::shared_ptr<const api::RegionProfile> profile, const Bu
   plan.solve_seconds = solution.seconds;
   plan.policy = policies::save_calls(
       plan.chosen,
-      "budget(" + format_bytes(plan.budget_bytes) + ": saves " + std::to_string(plan.chosen.size()) +
-          " of " + std::to_string(plan.calls.size()) + " op calls, " +
-          format_bytes(plan.saved_bytes) + ", " + std::string(budget::method_name(plan.solver)) +
-          ")");
+      "budget(" + format_bytes(plan.budget_bytes) + ": saves " +
+          std::to_string(plan.chosen.size()) + " of " + std::to_string(plan.calls.size()) +
+          " op calls, " + format_bytes(plan.saved_bytes) + ", " +
+          std::string(budget::method_name(plan.solver)) + ")");
   plan.profile = std::move(profile);
   return plan;
 }
@@ -165,7 +173,8 @@ bool BudgetPlan::is_saved(const c10::OperatorName& op, int64_t call_index) const
 BudgetPlan BudgetPlan::with_budget(const BudgetOptions& options) const {
   const char* where = "torch_sac::BudgetPlan::with_budget";
   TORCH_CHECK_VALUE(
-      profile, where, ": this plan has no profile (it was default-constructed); make plans with "
+      profile, where,
+      ": this plan has no profile (it was default-constructed); make plans with "
       "torch_sac::policies::budget");
   check_options(options, where);
   return make_plan(profile, options);
@@ -186,10 +195,9 @@ std::string BudgetPlan::summary() const {
   }
   s += "; saves " + std::to_string(chosen.size()) + "/" + std::to_string(calls.size()) +
       " op calls keeping " + format_bytes(saved_bytes) + " (un-checkpointed activations " +
-      format_bytes(activation_bytes) + ", everything " + format_bytes(total_bytes) +
-      "); avoids " + format_cost(avoided_cost, cost) + " of " + format_cost(total_cost, cost) +
-      " recompute (" + percent(avoided_cost, total_cost) + "); solver " +
-      std::string(budget::method_name(solver));
+      format_bytes(activation_bytes) + ", everything " + format_bytes(total_bytes) + "); avoids " +
+      format_cost(avoided_cost, cost) + " of " + format_cost(total_cost, cost) + " recompute (" +
+      percent(avoided_cost, total_cost) + "); solver " + std::string(budget::method_name(solver));
   s += optimal ? ", optimal"
                : ", within " + format_cost(upper_bound - avoided_cost, cost) + " of optimal";
   if (!solver_note.empty()) {
@@ -202,7 +210,8 @@ namespace policies {
 
 BudgetPlan budget(const std::function<void()>& fn, const BudgetOptions& options) {
   const char* where = "torch_sac::policies::budget";
-  TORCH_CHECK_VALUE(fn, where, ": fn is empty; pass the region, e.g. [&] { return block->forward(x); }");
+  TORCH_CHECK_VALUE(
+      fn, where, ": fn is empty; pass the region, e.g. [&] { return block->forward(x); }");
   check_options(options, where);
   auto profile = std::make_shared<const api::RegionProfile>(
       api::profile_region(fn, options.cost == Cost::Time ? options.repeats : 0));

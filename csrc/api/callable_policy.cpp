@@ -38,15 +38,16 @@ OpPattern op(std::string_view qualified_name) {
   TORCH_CHECK_VALUE(
       ns != std::string_view::npos && ns > 0 && ns + 2 < qualified_name.size(),
       "torch_sac::policies::op: expected a qualified op name such as \"aten::mm\" or "
-      "\"aten::add.Tensor\", got \"", qualified_name, "\"");
+      "\"aten::add.Tensor\", got \"",
+      qualified_name, "\"");
   const size_t dot = qualified_name.find('.', ns + 2);
   if (dot == std::string_view::npos) {
     return OpPattern{std::string(qualified_name), std::nullopt};
   }
   std::string_view overload = qualified_name.substr(dot + 1);
   TORCH_CHECK_VALUE(
-      !overload.empty() && dot > ns + 2,
-      "torch_sac::policies::op: malformed op name \"", qualified_name, "\"");
+      !overload.empty() && dot > ns + 2, "torch_sac::policies::op: malformed op name \"",
+      qualified_name, "\"");
   // Python's OpOverload calls the unnamed overload "default".
   return OpPattern{
       std::string(qualified_name.substr(0, dot)),

@@ -131,7 +131,7 @@ class Profiler final : public OpHandler {
     // from outside the region.
     for (const c10::IValue& v : inputs) {
       for_each_tensor(v, [&](const at::Tensor& t) {
-        if (t.defined()) {  // an absent Tensor? argument may be boxed as undefined
+        if (t.defined()) { // an absent Tensor? argument may be boxed as undefined
           storage_of(t, /*internal=*/false);
         }
       });
@@ -143,7 +143,8 @@ class Profiler final : public OpHandler {
     std::vector<int64_t> elapsed{nanoseconds_since(start)};
 
     const size_t num_returns = op.schema().returns().size();
-    const c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+    const c10::ArrayRef<c10::IValue> outputs(
+        stack->data() + stack->size() - num_returns, num_returns);
     const size_t known = storages_.size();
     std::vector<int64_t> storages;
     std::vector<at::Tensor> output_tensors;
@@ -273,8 +274,8 @@ class Profiler final : public OpHandler {
   std::unordered_map<const void*, int64_t> storage_index_;
   std::unordered_map<c10::OperatorHandle, int64_t> counts_;
   std::vector<at::Tensor> keep_;
-  std::vector<std::vector<std::pair<at::Tensor, uint32_t>>> output_versions_;  // per call
-  std::vector<at::Tensor> saved_;  // by autograd
+  std::vector<std::vector<std::pair<at::Tensor, uint32_t>>> output_versions_; // per call
+  std::vector<at::Tensor> saved_;                                             // by autograd
 };
 
 } // namespace

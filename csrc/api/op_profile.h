@@ -29,9 +29,9 @@ struct ProfiledStorage {
 struct ProfiledCall {
   explicit ProfiledCall(c10::OperatorHandle op) : op(std::move(op)) {}
   c10::OperatorHandle op;
-  int64_t call_index = 0;  // per op overload, as the region counts
-  double seconds = 0;      // median over the call and its replays
-  double flops = 0;        // 0 for ops torch.utils.flop_counter does not count
+  int64_t call_index = 0; // per op overload, as the region counts
+  double seconds = 0;     // median over the call and its replays
+  double flops = 0;       // 0 for ops torch.utils.flop_counter does not count
   // Indices into RegionProfile::storages held by the outputs (distinct), and
   // those of them this call allocated.
   std::vector<int64_t> storages;

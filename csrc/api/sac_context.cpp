@@ -20,8 +20,8 @@ namespace torch_sac {
 
 struct SacContext::State {
   std::shared_ptr<region::Region> region;
-  bool owner = false;      // made the region (outermost on its thread)
-  bool torn_down = false;  // exited, possibly by an outer context's exit()
+  bool owner = false;     // made the region (outermost on its thread)
+  bool torn_down = false; // exited, possibly by an outer context's exit()
 };
 
 namespace {

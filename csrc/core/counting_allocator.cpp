@@ -1,4 +1,4 @@
-#include "counting_allocator.h"
+#include "csrc/core/counting_allocator.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
@@ -102,8 +102,7 @@ class LiveBlockTable {
   };
   Shard& shard(const void* ptr) {
     // Allocations are 64-byte aligned: drop those bits, then mix.
-    const uint64_t h =
-        (reinterpret_cast<uintptr_t>(ptr) >> 6) * 0x9E3779B97F4A7C15ull;
+    const uint64_t h = (reinterpret_cast<uintptr_t>(ptr) >> 6) * 0x9E3779B97F4A7C15ull;
     return shards_[h >> (64 - kShardBits)];
   }
   std::array<Shard, size_t{1} << kShardBits> shards_;
@@ -135,8 +134,7 @@ void delete_counted(void* ptr) {
   // ours advertises none); failing here terminates (deleters are noexcept).
   const c10::DeleterFnPtr foreign = g_foreign_deleter.load();
   TORCH_INTERNAL_ASSERT(
-      foreign != nullptr,
-      "torch_sac counting allocator: asked to free ", ptr,
+      foreign != nullptr, "torch_sac counting allocator: asked to free ", ptr,
       ", which it did not allocate");
   foreign(ptr);
 }
@@ -157,8 +155,7 @@ void delete_wrapped(void* ctx) {
 
 void raise_to(std::atomic<int64_t>& value, int64_t candidate) {
   int64_t current = value.load();
-  while (current < candidate &&
-         !value.compare_exchange_weak(current, candidate)) {
+  while (current < candidate && !value.compare_exchange_weak(current, candidate)) {
   }
 }
 
@@ -174,8 +171,7 @@ CountingAllocator& require_installed() {
 
 } // namespace
 
-CountingAllocator::CountingAllocator(c10::Allocator* wrapped)
-    : wrapped_(wrapped) {
+CountingAllocator::CountingAllocator(c10::Allocator* wrapped) : wrapped_(wrapped) {
   TORCH_CHECK(wrapped != nullptr, "CountingAllocator: no allocator to wrap");
 }
 
@@ -198,8 +194,7 @@ c10::DataPtr CountingAllocator::allocate(size_t nbytes) {
     inner.release_context();
     return c10::DataPtr(data, data, &delete_counted, device);
   }
-  auto ctx = std::make_unique<WrappedContext>(
-      WrappedContext{this, nbytes, std::move(inner), 0});
+  auto ctx = std::make_unique<WrappedContext>(WrappedContext{this, nbytes, std::move(inner), 0});
   ctx->serial = on_alloc(nbytes);
   return c10::DataPtr(data, ctx.release(), &delete_wrapped, device);
 }
@@ -214,8 +209,7 @@ bool CountingAllocator::is_simple_data_ptr(const c10::DataPtr& data_ptr) const {
   return data_ptr.get() == data_ptr.get_context();
 }
 
-void CountingAllocator::copy_data(void* dest, const void* src, size_t count)
-    const {
+void CountingAllocator::copy_data(void* dest, const void* src, size_t count) const {
   // Both point into memory the wrapped allocator handed out.
   wrapped_->copy_data(dest, src, count);
 }
@@ -268,8 +262,7 @@ int CountingAllocator::open_window(int64_t* start) {
         open != ~uint64_t{0}, "torch_sac: more than ", kMaxWindows,
         " memory measurement windows open at once");
     slot = std::countr_one(open);
-  } while (!open_windows_.compare_exchange_weak(
-      open, open | (uint64_t{1} << slot)));
+  } while (!open_windows_.compare_exchange_weak(open, open | (uint64_t{1} << slot)));
   // A previous owner's value may linger; allocations that already see the
   // slot open may have raised it just now, hence store, then raise.
   *start = allocated_.load();

@@ -30,8 +30,8 @@ double bmm_flops(c10::IntArrayRef a, c10::IntArrayRef b) {
   if (a.size() != 3 || b.size() != 3 || a[0] != b[0] || a[2] != b[1]) {
     return 0;
   }
-  return 2.0 * static_cast<double>(a[0]) * static_cast<double>(a[1]) *
-      static_cast<double>(b[2]) * static_cast<double>(a[2]);
+  return 2.0 * static_cast<double>(a[0]) * static_cast<double>(a[1]) * static_cast<double>(b[2]) *
+      static_cast<double>(a[2]);
 }
 
 // flop_counter's conv_flop_count: 2 * batch * c_out * c_in * filter size *

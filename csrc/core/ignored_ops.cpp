@@ -1,4 +1,4 @@
-#include "ignored_ops.h"
+#include "csrc/core/ignored_ops.h"
 
 #include <algorithm>
 #include <mutex>

@@ -1,6 +1,4 @@
-#include "interceptor.h"
-
-#include "torch_compat.h"
+#include "csrc/core/interceptor.h"
 
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -11,6 +9,8 @@
 #include <algorithm>
 #include <mutex>
 #include <vector>
+
+#include "csrc/core/torch_compat.h"
 
 namespace torch_sac {
 
@@ -61,9 +61,9 @@ void run_level(
   }
   // Copy: a handler may push or pop handlers while it runs.
   std::shared_ptr<OpHandler> handler = tls_handlers[level - 1];
-  handler->handle(op, stack, [&](torch::jit::Stack* s) {
-    run_level(op, s, level - 1, below);
-  }, /*adapter_view=*/nullptr);
+  handler->handle(
+      op, stack, [&](torch::jit::Stack* s) { run_level(op, s, level - 1, below); },
+      /*adapter_view=*/nullptr);
 }
 
 void key_fallback(
@@ -72,8 +72,7 @@ void key_fallback(
     torch::jit::Stack* stack) {
   // Ops the handlers or kernels run from here on are not intercepted again.
   c10::impl::ExcludeDispatchKeyGuard no_reentry(kInterceptKey);
-  const auto below =
-      keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
+  const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterceptKey);
   // The key may be in the TLS of a thread with no handler: autograd copies the
   // dispatch TLS of the thread that called backward into its workers.
   run_level(op, stack, tls_handlers.size(), below);
@@ -108,8 +107,9 @@ std::string key_adapter_unavailable_reason() {
 }
 
 bool key_adapter_runs_below_modes() {
-  static_assert(kInterceptKey == c10::DispatchKey::Fake,
-                "torch_compat.h describes DispatchKey::Fake's position");
+  static_assert(
+      kInterceptKey == c10::DispatchKey::Fake,
+      "torch_compat.h describes DispatchKey::Fake's position");
   return compat::kFakeKeyBelowPython;
 }
 
@@ -120,13 +120,11 @@ void install_key_adapter() {
   }
   const std::string reason = key_adapter_unavailable_reason();
   TORCH_CHECK(
-      reason.empty(),
-      "torch_sac: the dispatch-key adapter is unavailable: ", reason,
+      reason.empty(), "torch_sac: the dispatch-key adapter is unavailable: ", reason,
       ". Use the Python-key adapter (TORCH_SAC_ADAPTER=python).");
   fallback_library = std::make_unique<torch::Library>(
       torch::Library::IMPL, "_", kInterceptKey, __FILE__, __LINE__);
-  fallback_library->fallback(
-      torch::CppFunction::makeFromBoxedFunction<&key_fallback>());
+  fallback_library->fallback(torch::CppFunction::makeFromBoxedFunction<&key_fallback>());
 }
 
 bool key_adapter_installed() {
@@ -145,8 +143,9 @@ void push_key_handler(std::shared_ptr<OpHandler> handler) {
 }
 
 void pop_key_handler(const OpHandler* expected_top) {
-  auto it = std::find_if(tls_handlers.rbegin(), tls_handlers.rend(),
-                         [&](const auto& h) { return h.get() == expected_top; });
+  auto it = std::find_if(tls_handlers.rbegin(), tls_handlers.rend(), [&](const auto& h) {
+    return h.get() == expected_top;
+  });
   TORCH_CHECK(
       it != tls_handlers.rend(),
       "torch_sac: a checkpoint context exited on a thread that did not enter it; "
@@ -167,8 +166,7 @@ size_t key_handler_depth() {
   return tls_handlers.size();
 }
 
-KeyAdapterScope::KeyAdapterScope(std::shared_ptr<OpHandler> handler)
-    : handler_(handler.get()) {
+KeyAdapterScope::KeyAdapterScope(std::shared_ptr<OpHandler> handler) : handler_(handler.get()) {
   push_key_handler(std::move(handler));
 }
 

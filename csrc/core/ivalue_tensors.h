@@ -2,8 +2,8 @@
 // Walking the tensors held by an op argument or output: Tensor, Tensor?,
 // Tensor[] and Tensor?[].
 
-#include <ATen/core/ivalue.h>
 #include <ATen/core/List.h>
+#include <ATen/core/ivalue.h>
 
 namespace torch_sac {
 

@@ -1,4 +1,4 @@
-#include "name_scope.h"
+#include "csrc/core/name_scope.h"
 
 #include <c10/util/Exception.h>
 
@@ -13,7 +13,7 @@ namespace {
 struct NameRegistry {
   std::mutex mutex;
   std::unordered_map<std::string, NameId> ids;
-  std::deque<std::string> names;  // by id; deque keeps references stable
+  std::deque<std::string> names; // by id; deque keeps references stable
 };
 
 NameRegistry& registry() {
@@ -53,8 +53,7 @@ std::string name_string(NameId id) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   TORCH_CHECK_INDEX(
-      id >= 0 && static_cast<size_t>(id) < r.names.size(),
-      "torch_sac: unknown scope name id ", id);
+      id >= 0 && static_cast<size_t>(id) < r.names.size(), "torch_sac: unknown scope name id ", id);
   return r.names[id];
 }
 
@@ -71,9 +70,9 @@ size_t push_name(NameId id) {
 void pop_name(NameId id, size_t depth) {
   auto& names = stack();
   TORCH_CHECK(
-      depth >= 1 && names.size() >= depth && names[depth - 1] == id,
-      "torch_sac: scope '", name_string(id), "' was closed out of order: at ",
-      "its depth (", depth, ") the open scope is ", describe_top(names, depth),
+      depth >= 1 && names.size() >= depth && names[depth - 1] == id, "torch_sac: scope '",
+      name_string(id), "' was closed out of order: at ", "its depth (", depth,
+      ") the open scope is ", describe_top(names, depth),
       ". Scopes must close in reverse order of opening (use `with "
       "torch_sac.name(...):` rather than calling __enter__/__exit__ by hand, "
       "and do not keep a scope open across a generator's yield).");
@@ -86,9 +85,11 @@ void pop_name(NameId id, size_t depth) {
   const std::string leaked = describe_top(names, names.size());
   names.resize(depth - 1);
   TORCH_CHECK(
-      false,
-      "torch_sac: scope '", name_string(id), "' was closed out of order: the "
-      "scope ", leaked, " opened inside it is still open. Both are closed now. "
+      false, "torch_sac: scope '", name_string(id),
+      "' was closed out of order: the "
+      "scope ",
+      leaked,
+      " opened inside it is still open. Both are closed now. "
       "Scopes must close in reverse order of opening (use `with "
       "torch_sac.name(...):` rather than calling __enter__/__exit__ by hand, "
       "and do not keep a scope open across a generator's yield).");
@@ -106,8 +107,7 @@ NameScope::~NameScope() {
   }
 }
 
-NameStackOverride::NameStackOverride(std::vector<NameId> names)
-    : saved_(std::move(stack())) {
+NameStackOverride::NameStackOverride(std::vector<NameId> names) : saved_(std::move(stack())) {
   stack() = std::move(names);
 }
 

@@ -1,4 +1,4 @@
-#include "numerics_state.h"
+#include "csrc/core/numerics_state.h"
 
 #include <ATen/Context.h>
 #include <c10/core/DefaultDtype.h>

@@ -25,7 +25,7 @@ struct NumericsState {
   bool fill_uninitialized = false;
   bool cudnn_deterministic = false;
   bool cudnn_benchmark = false;
-  uint8_t matmul_precision = 0;  // at::Float32MatmulPrecision
+  uint8_t matmul_precision = 0; // at::Float32MatmulPrecision
 
   static NumericsState current();
   bool operator==(const NumericsState& other) const = default;

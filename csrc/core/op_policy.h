@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "policy.h"
+#include "csrc/core/policy.h"
 
 namespace torch_sac {
 

@@ -1,4 +1,4 @@
-#include "policy.h"
+#include "csrc/core/policy.h"
 
 #include <c10/util/Exception.h>
 
@@ -21,11 +21,9 @@ std::string_view policy_name(Policy p) {
 Policy combine_policies(Policy outer, Policy inner, std::string_view op_name) {
   if (is_must(outer) && is_must(inner)) {
     TORCH_CHECK(
-        outer == inner,
-        "torch_sac: nested checkpoint policies disagree on ", op_name,
-        ": the outer region says ", policy_name(outer),
-        " and the inner region says ", policy_name(inner),
-        ". Two MUST_* decisions cannot both hold; make one of them PREFER_*.");
+        outer == inner, "torch_sac: nested checkpoint policies disagree on ", op_name,
+        ": the outer region says ", policy_name(outer), " and the inner region says ",
+        policy_name(inner), ". Two MUST_* decisions cannot both hold; make one of them PREFER_*.");
     return inner;
   }
   if (is_must(outer)) {

@@ -8,7 +8,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "interceptor.h"
+#include "csrc/core/interceptor.h"
 
 namespace torch_sac {
 

@@ -1,4 +1,4 @@
-#include "selective_cache.h"
+#include "csrc/core/selective_cache.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/InferenceMode.h>
@@ -10,13 +10,13 @@
 #include <mutex>
 #include <sstream>
 
-#include "detached_alias.h"
-#include "ignored_ops.h"
-#include "ivalue_tensors.h"
-#include "op_name.h"
-#include "replay_guard.h"
-#include "tensor_version.h"
-#include "written_args.h"
+#include "csrc/core/detached_alias.h"
+#include "csrc/core/ignored_ops.h"
+#include "csrc/core/ivalue_tensors.h"
+#include "csrc/core/op_name.h"
+#include "csrc/core/replay_guard.h"
+#include "csrc/core/tensor_version.h"
+#include "csrc/core/written_args.h"
 
 namespace torch_sac {
 namespace {
@@ -51,10 +51,11 @@ uint64_t signature_of(c10::ArrayRef<c10::IValue> outputs) {
       h = c10::hash_combine(h, static_cast<size_t>(t.scalar_type()));
       h = c10::hash_combine(h, static_cast<size_t>(t.layout()));
       if (t.is_nested()) {
-        return;  // no sizes() to compare
+        return; // no sizes() to compare
       }
       for (const c10::SymInt& s : t.sym_sizes()) {
-        h = c10::hash_combine(h, s.is_heap_allocated() ? 0x51 : static_cast<size_t>(s.as_int_unchecked()));
+        h = c10::hash_combine(
+            h, s.is_heap_allocated() ? 0x51 : static_cast<size_t>(s.as_int_unchecked()));
       }
     });
   }
@@ -92,7 +93,7 @@ void for_each_tensor_arg(torch::jit::Stack& args, Fn&& fn) {
       const size_t n = arg.isTensorList() ? arg.toTensorList().size() : arg.toListRef().size();
       for (size_t k = 0; k < n; ++k) {
         c10::IValue element = arg.isTensorList() ? c10::IValue(arg.toTensorList().get(k))
-                                                  : arg.toList().get(k);
+                                                 : arg.toList().get(k);
         if (!element.isTensor()) {
           continue;
         }
@@ -138,7 +139,8 @@ c10::SmallVector<int64_t, 4> first_output_sizes(c10::ArrayRef<c10::IValue> outpu
 // appends to (past_key_values) looks like when recompute runs after forward
 // filled it.
 std::optional<size_t> grown_dim(
-    c10::ArrayRef<int64_t> forward_sizes, c10::ArrayRef<int64_t> recompute_sizes) {
+    c10::ArrayRef<int64_t> forward_sizes,
+    c10::ArrayRef<int64_t> recompute_sizes) {
   if (forward_sizes.size() != recompute_sizes.size()) {
     return std::nullopt;
   }
@@ -163,11 +165,13 @@ constexpr const char* kDropinFixes =
 // Recompute ran an op forward did not run at this point: the checkpointed
 // function took another path the second time.
 [[noreturn]] void recompute_took_other_path(
-    const c10::OperatorHandle& op, int64_t call_index, const std::string& what) {
+    const c10::OperatorHandle& op,
+    int64_t call_index,
+    const std::string& what) {
   TORCH_CHECK(
-      false,
-      "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
-      call_index, ") ", what, ". Recompute re-runs the checkpointed function, so it took "
+      false, "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+      call_index, ") ", what,
+      ". Recompute re-runs the checkpointed function, so it took "
       "another path than forward: Python control flow that depends on state changed "
       "between forward and backward (a flag, a counter, Python randomness, a cache that "
       "forward filled), or backward()/an optimizer step inside the function. Make that "
@@ -185,26 +189,30 @@ constexpr const char* kDropinFixes =
   const auto sizes = first_output_sizes(outputs);
   if (const auto d = grown_dim(forward_sizes, sizes)) {
     TORCH_CHECK(
-        false,
-        "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
-        call_index, ") made an output ", c10::IntArrayRef(sizes), " that grew along dim ",
-        *d, " from ", forward_sizes[*d], " to ", sizes[*d], " since forward (", 
-        c10::IntArrayRef(forward_sizes), "). That is a cache the checkpointed function "
+        false, "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+        call_index, ") made an output ", c10::IntArrayRef(sizes), " that grew along dim ", *d,
+        " from ", forward_sizes[*d], " to ", sizes[*d], " since forward (",
+        c10::IntArrayRef(forward_sizes),
+        "). That is a cache the checkpointed function "
         "appends to, such as a Hugging Face model's past_key_values: forward filled it, "
         "and recompute, which re-runs the function, appended again. Train without the "
         "cache (call a Hugging Face model with use_cache=False, or set "
         "model.config.use_cache = False), or keep the cache out of the checkpointed "
-        "function. ", kDropinFixes);
+        "function. ",
+        kDropinFixes);
   }
   TORCH_CHECK(
-      false,
-      "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
-      call_index, ") made outputs [", describe_outputs(outputs), "] whose shapes or dtypes "
-      "differ from forward's (first output ", c10::IntArrayRef(forward_sizes), "). "
+      false, "torch_sac: recompute does not match forward: ", op_display_name(op), " (call ",
+      call_index, ") made outputs [", describe_outputs(outputs),
+      "] whose shapes or dtypes "
+      "differ from forward's (first output ",
+      c10::IntArrayRef(forward_sizes),
+      "). "
       "Recompute re-runs the checkpointed function, which computed on other shapes or "
       "dtypes the second time: state changed between forward and backward (autocast "
       "entered or left, a flag, a cache, the inputs modified). Make that state the same "
-      "for both runs. ", kDropinFixes);
+      "for both runs. ",
+      kDropinFixes);
 }
 
 SelectiveCache::OpTraits compute_op_traits(const c10::OperatorHandle& op) {
@@ -222,8 +230,8 @@ SelectiveCache::OpTraits compute_op_traits(const c10::OperatorHandle& op) {
   }
   for (const c10::Argument& ret : op.schema().returns()) {
     traits.returns_alias = traits.returns_alias || ret.alias_info();
-    traits.returns_written_arg =
-        traits.returns_written_arg || (ret.alias_info() && ret.alias_info()->isWrite());
+    traits.returns_written_arg = traits.returns_written_arg ||
+        (ret.alias_info() && ret.alias_info()->isWrite());
   }
   return traits;
 }
@@ -406,8 +414,7 @@ void CachingHandler::handle(
   // Ops under no_grad in a checkpointed function entered with grad on are
   // seen too, as by PyTorch's SAC: a custom autograd.Function's body, a
   // custom op under its autograd formula.
-  if (!cache_->records() || c10::InferenceMode::is_enabled() ||
-      interception_paused()) {
+  if (!cache_->records() || c10::InferenceMode::is_enabled() || interception_paused()) {
     run(stack);
     return;
   }
@@ -416,8 +423,10 @@ void CachingHandler::handle(
     run(stack);
     return;
   }
-  TORCH_CHECK(policy_, "torch_sac: ", op_display_name(op), " ran in a forward checkpoint "
-              "context that was already exited; enter a new pair of contexts per forward.");
+  TORCH_CHECK(
+      policy_, "torch_sac: ", op_display_name(op),
+      " ran in a forward checkpoint "
+      "context that was already exited; enter a new pair of contexts per forward.");
   const size_t num_args = record.num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - num_args, num_args);
@@ -520,11 +529,8 @@ void CachingHandler::handle(
   }
 }
 
-CachedHandler::CachedHandler(
-    std::shared_ptr<SelectiveCache> cache,
-    bool allow_cache_entry_mutation)
-    : cache_(std::move(cache)),
-      allow_cache_entry_mutation_(allow_cache_entry_mutation) {
+CachedHandler::CachedHandler(std::shared_ptr<SelectiveCache> cache, bool allow_cache_entry_mutation)
+    : cache_(std::move(cache)), allow_cache_entry_mutation_(allow_cache_entry_mutation) {
   TORCH_CHECK(cache_, "torch_sac: CachedHandler needs a cache");
 }
 
@@ -547,7 +553,7 @@ void CachedHandler::check_inputs(
       const SelectiveCache::InputSeen& seen = forward_inputs[k++];
       const c10::StorageImpl* s = storage_of(t);
       if (!SelectiveCache::same_storage(seen.storage, s)) {
-        return;  // not the storage forward read (recompute made it anew)
+        return; // not the storage forward read (recompute made it anew)
       }
       // The same storage forward read: recompute must see what forward saw.
       auto written = cache_->last_write_.find(s);
@@ -556,10 +562,12 @@ void CachedHandler::check_inputs(
         // holds its value after forward's last write: right for a read at
         // or after that write, wrong for a read before it.
         TORCH_CHECK(
-            written->second <= position,
-            "torch_sac: ", op_display_name(record.op), " (call ", call_index, ") read a "
+            written->second <= position, "torch_sac: ", op_display_name(record.op), " (call ",
+            call_index,
+            ") read a "
             "tensor in forward that a later op of the checkpointed region (op #",
-            written->second, ") modified in place, so recompute would read the modified "
+            written->second,
+            ") modified in place, so recompute would read the modified "
             "value. Do not modify tensors from outside the checkpointed function in place "
             "after reading them inside it (an optimizer step, a buffer update), or move "
             "that code out of the checkpointed function.");
@@ -572,16 +580,17 @@ void CachedHandler::check_inputs(
       TORCH_CHECK(
           now == seen.version,
           "one of the variables needed for gradient computation has been modified by an "
-          "inplace operation: a tensor of shape ", t.sizes(), " is at version ", now,
-          "; expected version ", seen.version, " instead. (torch_sac: ",
-          op_display_name(record.op), " (call ", call_index, ") read it in the "
+          "inplace operation: a tensor of shape ",
+          t.sizes(), " is at version ", now, "; expected version ", seen.version,
+          " instead. (torch_sac: ", op_display_name(record.op), " (call ", call_index,
+          ") read it in the "
           "checkpointed region's forward and reads it again in recompute; it was modified "
           "in place in between.)");
     });
   }
   if (k != forward_inputs.size() || !count_matches) {
-    recompute_took_other_path(record.op, call_index,
-                              "ran with a different number of tensor arguments than in forward");
+    recompute_took_other_path(
+        record.op, call_index, "ran with a different number of tensor arguments than in forward");
   }
 }
 
@@ -593,10 +602,12 @@ void CachedHandler::check_cached_unchanged(
     const uint32_t cached_version = cached.watched_versions[i];
     const uint32_t now = current_version(cached.watched[i]);
     TORCH_CHECK(
-        now == cached_version,
-        "torch_sac: an output of ", op_display_name(record.op), " (call ", call_index,
+        now == cached_version, "torch_sac: an output of ", op_display_name(record.op), " (call ",
+        call_index,
         ") was cached by selective activation checkpointing and then mutated in place "
-        "(version ", cached_version, " -> ", now, ") after forward, so backward would see "
+        "(version ",
+        cached_version, " -> ", now,
+        ") after forward, so backward would see "
         "wrong values. Make the policy recompute this op, avoid the in-place op, or pass "
         "allow_cache_entry_mutation=True if the mutation is intended.");
   }
@@ -607,8 +618,7 @@ void CachedHandler::handle(
     torch::jit::Stack* stack,
     RunOp run,
     const void* /*adapter_view*/) {
-  if (!cache_->records() || c10::InferenceMode::is_enabled() ||
-      interception_paused()) {
+  if (!cache_->records() || c10::InferenceMode::is_enabled() || interception_paused()) {
     run(stack);
     return;
   }
@@ -619,16 +629,18 @@ void CachedHandler::handle(
   }
   const int64_t call_index = record.recompute_calls++;
   if (call_index >= static_cast<int64_t>(record.entries.size())) {
-    recompute_took_other_path(op, call_index, record.entries.empty()
-        ? std::string("ran in recompute but never in forward")
-        : "ran in recompute, but forward ran it only " +
-              std::to_string(record.entries.size()) + " times");
+    recompute_took_other_path(
+        op, call_index,
+        record.entries.empty() ? std::string("ran in recompute but never in forward")
+                               : "ran in recompute, but forward ran it only " +
+                std::to_string(record.entries.size()) + " times");
   }
   SelectiveCache::Entry& entry = record.entries[call_index];
   const size_t num_args = record.num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
-  check_inputs(record, call_index,
-               c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args));
+  check_inputs(
+      record, call_index,
+      c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args));
   auto& stats = cache_->stats();
   switch (entry.state) {
     case SelectiveCache::EntryState::Recompute: {
@@ -653,7 +665,8 @@ void CachedHandler::handle(
       const auto start = std::chrono::steady_clock::now();
       run(stack);
       const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::steady_clock::now() - start).count();
+                                  std::chrono::steady_clock::now() - start)
+                                  .count();
       const size_t num_returns = record.num_returns;
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
@@ -671,8 +684,8 @@ void CachedHandler::handle(
           false,
           "Trying to backward an extra time. You are only allowed to backward "
           "once on any region computed under selective activation checkpoint "
-          "(torch_sac: the cached output of ", op_display_name(op), " call ",
-          call_index, " was already used by an earlier backward).");
+          "(torch_sac: the cached output of ",
+          op_display_name(op), " call ", call_index, " was already used by an earlier backward).");
     case SelectiveCache::EntryState::Cached:
       break;
   }
@@ -731,8 +744,7 @@ SelectiveCheckpoint make_selective_checkpoint(
     bool allow_cache_entry_mutation) {
   auto cache = std::make_shared<SelectiveCache>();
   return SelectiveCheckpoint{
-      cache,
-      std::make_shared<CachingHandler>(cache, std::move(policy)),
+      cache, std::make_shared<CachingHandler>(cache, std::move(policy)),
       std::make_shared<CachedHandler>(cache, allow_cache_entry_mutation)};
 }
 

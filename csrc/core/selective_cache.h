@@ -40,9 +40,9 @@
 #include <utility>
 #include <vector>
 
-#include "interceptor.h"
-#include "numerics_state.h"
-#include "op_policy.h"
+#include "csrc/core/interceptor.h"
+#include "csrc/core/numerics_state.h"
+#include "csrc/core/op_policy.h"
 
 namespace torch_sac {
 
@@ -74,7 +74,7 @@ struct OpSummary {
   int64_t saved_bytes = 0;
   int64_t dropped_bytes = 0;
   int64_t recompute_ns = 0;
-  std::vector<int64_t> recomputes_by_call;  // by forward call index
+  std::vector<int64_t> recomputes_by_call; // by forward call index
 };
 
 class SelectiveCache {
@@ -84,11 +84,11 @@ class SelectiveCache {
   // A storage forward met, weakly: recompute compares identities with it.
   using WeakStorage = std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>;
   struct InputSeen {
-    WeakStorage storage;  // empty for tensors without storage
+    WeakStorage storage; // empty for tensors without storage
     uint32_t version = 0;
   };
   struct StorageWritten {
-    uint32_t input = 0;   // position among the op's tensor inputs
+    uint32_t input = 0; // position among the op's tensor inputs
     WeakStorage storage;
   };
   // Whether `seen` is `storage`, still alive.
@@ -130,19 +130,19 @@ class SelectiveCache {
     size_t inputs_begin = 0;
     size_t num_inputs = 0;
     std::vector<StorageWritten> writes;
-    int64_t position = 0;               // among all ops forward recorded
-    int64_t recomputed = 0;             // times recompute re-ran this call
-    std::unique_ptr<CachedOutputs> cached;  // set while state is Cached
+    int64_t position = 0;                  // among all ops forward recorded
+    int64_t recomputed = 0;                // times recompute re-ran this call
+    std::unique_ptr<CachedOutputs> cached; // set while state is Cached
   };
 
   // What the schema and tags of an op overload say, the same in every region.
   struct OpTraits {
-    bool ignored = false;           // in the ignored set: never cached
+    bool ignored = false; // in the ignored set: never cached
     std::vector<size_t> written_args;
-    bool returns_written_arg = false;  // in-place and out= ops
-    bool returns_alias = false;        // views, in-place and out= ops
-    bool draws_random = false;         // nondeterministic_seeded: never cached...
-    std::optional<size_t> dropout_p_arg;  // ...unless its `dropout_p` is 0 (SDPA)
+    bool returns_written_arg = false;    // in-place and out= ops
+    bool returns_alias = false;          // views, in-place and out= ops
+    bool draws_random = false;           // nondeterministic_seeded: never cached...
+    std::optional<size_t> dropout_p_arg; // ...unless its `dropout_p` is 0 (SDPA)
     size_t num_args = 0;
     size_t num_returns = 0;
   };
@@ -155,10 +155,10 @@ class SelectiveCache {
     // Indexed by forward call index. Most ops run a few times per region:
     // their entries live in the record, not in a vector regrown per call.
     c10::SmallVector<Entry, 4> entries;
-    int64_t forward_calls = 0;      // call counter of the caching handler
-    int64_t recompute_calls = 0;    // call counter of the cached handler
-    int64_t recomputed = 0;         // calls re-run during recompute
-    int64_t recompute_ns = 0;       // their time
+    int64_t forward_calls = 0;   // call counter of the caching handler
+    int64_t recompute_calls = 0; // call counter of the cached handler
+    int64_t recomputed = 0;      // calls re-run during recompute
+    int64_t recompute_ns = 0;    // their time
     c10::OperatorHandle op;
   };
 
@@ -188,7 +188,6 @@ class SelectiveCache {
   friend class CachingHandler;
   friend class CachedHandler;
 
-
   void cache_outputs(OpRecord& record, int64_t call_index, c10::ArrayRef<c10::IValue> outputs);
   // Drops the cached entries whose outputs live on `storage`.
   void invalidate(const c10::StorageImpl* storage);
@@ -199,7 +198,7 @@ class SelectiveCache {
   // when the table grows.
   ska::flat_hash_map<c10::OperatorHandle, std::unique_ptr<OpRecord>> records_by_op_;
   std::vector<OpRecord*> first_seen_order_;
-  int64_t forward_ops_ = 0;  // ops recorded in forward: the next one's position
+  int64_t forward_ops_ = 0; // ops recorded in forward: the next one's position
   // Tensor inputs of every call forward recorded (see Entry::inputs_begin).
   std::vector<InputSeen> inputs_seen_;
   // Cached entries by the storages their outputs live on.
@@ -218,9 +217,7 @@ class SelectiveCache {
 
 class CachingHandler final : public OpHandler {
  public:
-  CachingHandler(
-      std::shared_ptr<SelectiveCache> cache,
-      std::shared_ptr<OpPolicy> policy);
+  CachingHandler(std::shared_ptr<SelectiveCache> cache, std::shared_ptr<OpPolicy> policy);
   void handle(
       const c10::OperatorHandle& op,
       torch::jit::Stack* stack,
@@ -240,9 +237,7 @@ class CachingHandler final : public OpHandler {
 
 class CachedHandler final : public OpHandler {
  public:
-  CachedHandler(
-      std::shared_ptr<SelectiveCache> cache,
-      bool allow_cache_entry_mutation);
+  CachedHandler(std::shared_ptr<SelectiveCache> cache, bool allow_cache_entry_mutation);
   void handle(
       const c10::OperatorHandle& op,
       torch::jit::Stack* stack,
@@ -250,8 +245,10 @@ class CachedHandler final : public OpHandler {
       const void* adapter_view) override;
 
  private:
-  void check_inputs(const SelectiveCache::OpRecord& record, int64_t call_index,
-                    c10::ArrayRef<c10::IValue> inputs) const;
+  void check_inputs(
+      const SelectiveCache::OpRecord& record,
+      int64_t call_index,
+      c10::ArrayRef<c10::IValue> inputs) const;
   void check_cached_unchanged(const SelectiveCache::OpRecord& record, int64_t call_index) const;
 
   std::shared_ptr<SelectiveCache> cache_;

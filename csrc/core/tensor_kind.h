@@ -26,9 +26,10 @@ inline const char* unrecordable_kind(const at::Tensor& t) {
   if (t.layout() != c10::kStrided) {
     return "a sparse or mkldnn tensor";
   }
-  if (keys.has_any(c10::DispatchKeySet(
-          {c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-           c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Functionalize}))) {
+  if (keys.has_any(
+          c10::DispatchKeySet(
+              {c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+               c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Functionalize}))) {
     return "a functorch or functionalization wrapper";
   }
   if (t._is_zerotensor()) {

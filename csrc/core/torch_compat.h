@@ -18,8 +18,7 @@ namespace torch_sac::compat {
 //                  before any TorchDispatchMode does;
 //   torch >= 2.13: Fake is below Python, so it sees an op after the modes,
 //                  exactly where the Python-key adapter's mode would.
-inline constexpr bool kFakeKeyBelowPython =
-    static_cast<uint16_t>(c10::DispatchKey::Fake) <
+inline constexpr bool kFakeKeyBelowPython = static_cast<uint16_t>(c10::DispatchKey::Fake) <
     static_cast<uint16_t>(c10::DispatchKey::Python);
 
 } // namespace torch_sac::compat

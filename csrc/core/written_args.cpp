@@ -1,4 +1,4 @@
-#include "written_args.h"
+#include "csrc/core/written_args.h"
 
 #include <algorithm>
 #include <array>

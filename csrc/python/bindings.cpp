@@ -11,15 +11,14 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/region/region.h"
 #include "csrc/core/selective_cache.h"
+#include "csrc/python/budget_bindings.h"
+#include "csrc/python/frame_exit_watch.h"
+#include "csrc/python/policy_library.h"
+#include "csrc/python/python_key_adapter.h"
+#include "csrc/python/python_policy.h"
+#include "csrc/python/saved_activation_handle.h"
 #include "policies/builtin_policies.h"
-#include "frame_exit_watch.h"
-#include "policy_library.h"
-#include "python_key_adapter.h"
-#include "python_policy.h"
-#include "saved_activation_handle.h"
-// --- budget planner (branch budget) ---
-#include "budget_bindings.h"
-// --- end budget planner ---
+#include "torch_sac/version.h" // generated from cmake/version.h.in
 
 namespace py = pybind11;
 using namespace torch_sac;
@@ -29,8 +28,13 @@ namespace {
 // One row of op_details(), the same keys for the region and the drop-in, so
 // a profile reads both engines alike.
 py::dict op_details_row(
-    const std::string& op, int64_t saved, int64_t dropped, int64_t replayed,
-    int64_t saved_bytes, int64_t dropped_bytes, int64_t replay_ns,
+    const std::string& op,
+    int64_t saved,
+    int64_t dropped,
+    int64_t replayed,
+    int64_t saved_bytes,
+    int64_t dropped_bytes,
+    int64_t replay_ns,
     const std::vector<int64_t>& replays_by_call) {
   py::dict d;
   d["op"] = op;
@@ -48,6 +52,8 @@ py::dict op_details_row(
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_sac C++ core";
+  // torch_sac.__version__: pyproject.toml's version, as CMake read it.
+  m.attr("__version__") = TORCH_SAC_VERSION;
   py::register_exception_translator([](std::exception_ptr error) {
     try {
       if (error) {
@@ -62,47 +68,53 @@ PYBIND11_MODULE(_C, m) {
   py::class_<OpPolicy, std::shared_ptr<OpPolicy>>(m, "OpPolicy")
       .def("__repr__", &OpPolicy::describe);
   py::class_<OpHandler, std::shared_ptr<OpHandler>>(m, "OpHandler");
-  py::class_<CachingHandler, OpHandler, std::shared_ptr<CachingHandler>>(
-      m, "CachingHandler");
-  py::class_<CachedHandler, OpHandler, std::shared_ptr<CachedHandler>>(
-      m, "CachedHandler");
+  py::class_<CachingHandler, OpHandler, std::shared_ptr<CachingHandler>>(m, "CachingHandler");
+  py::class_<CachedHandler, OpHandler, std::shared_ptr<CachedHandler>>(m, "CachedHandler");
   py::class_<SelectiveCheckpoint>(m, "SelectiveCheckpoint")
-      .def(py::init(&make_selective_checkpoint), py::arg("policy"),
-           py::arg("allow_cache_entry_mutation"))
+      .def(
+          py::init(&make_selective_checkpoint), py::arg("policy"),
+          py::arg("allow_cache_entry_mutation"))
       .def_readonly("caching", &SelectiveCheckpoint::caching)
       .def_readonly("cached", &SelectiveCheckpoint::cached)
       .def("begin_forward", [](SelectiveCheckpoint& self) { self.cache->begin_forward(); })
-      .def("finish_forward", [](SelectiveCheckpoint& self) {
-        self.cache->finish_forward();
-        self.caching->release_policy();
-      })
+      .def(
+          "finish_forward",
+          [](SelectiveCheckpoint& self) {
+            self.cache->finish_forward();
+            self.caching->release_policy();
+          })
       .def("begin_recompute", [](SelectiveCheckpoint& self) { self.cache->begin_recompute(); })
       .def("finish_recompute", [](SelectiveCheckpoint& self) { self.cache->finish_recompute(); })
-      .def("stats", [](const SelectiveCheckpoint& self) {
-        const auto& s = self.cache->stats();
-        py::dict d;
-        d["policy_calls"] = s.policy_calls;
-        d["saved_ops"] = s.saved_ops;
-        d["saved_bytes"] = s.saved_bytes;
-        d["recomputed_ops"] = s.recomputed_ops;
-        d["cache_hits"] = s.cache_hits;
-        d["invalidated_ops"] = s.invalidated_ops;
-        d["redirected_writes"] = s.redirected_writes;
-        d["recompute_ns"] = s.recompute_ns;
-        return d;
-      })
-      .def("op_summary", [](const SelectiveCheckpoint& self) {
-        std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
-        for (const auto& s : self.cache->summary()) {
-          rows.emplace_back(s.op, s.saved, s.dropped, s.recomputed);
-        }
-        return rows;
-      })
+      .def(
+          "stats",
+          [](const SelectiveCheckpoint& self) {
+            const auto& s = self.cache->stats();
+            py::dict d;
+            d["policy_calls"] = s.policy_calls;
+            d["saved_ops"] = s.saved_ops;
+            d["saved_bytes"] = s.saved_bytes;
+            d["recomputed_ops"] = s.recomputed_ops;
+            d["cache_hits"] = s.cache_hits;
+            d["invalidated_ops"] = s.invalidated_ops;
+            d["redirected_writes"] = s.redirected_writes;
+            d["recompute_ns"] = s.recompute_ns;
+            return d;
+          })
+      .def(
+          "op_summary",
+          [](const SelectiveCheckpoint& self) {
+            std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
+            for (const auto& s : self.cache->summary()) {
+              rows.emplace_back(s.op, s.saved, s.dropped, s.recomputed);
+            }
+            return rows;
+          })
       .def("op_details", [](const SelectiveCheckpoint& self) {
         py::list rows;
         for (const auto& s : self.cache->summary()) {
-          rows.append(op_details_row(s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes,
-                                     s.dropped_bytes, s.recompute_ns, s.recomputes_by_call));
+          rows.append(op_details_row(
+              s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes, s.dropped_bytes,
+              s.recompute_ns, s.recomputes_by_call));
         }
         return rows;
       });
@@ -113,133 +125,146 @@ PYBIND11_MODULE(_C, m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   py::class_<SavedActivationHandle>(m, "SavedActivation");
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
-      .def(py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool, double>(), py::arg("policy"),
-           py::arg("allow_cache_entry_mutation"),
-           py::arg("replay_budget") = region::Region::kNoReplayBudget,
-           py::arg("budget_counts_saved") = false,
-           py::arg("checkpoint_share") = region::kDefaultCheckpointShare)
+      .def(
+          py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool, double>(), py::arg("policy"),
+          py::arg("allow_cache_entry_mutation"),
+          py::arg("replay_budget") = region::Region::kNoReplayBudget,
+          py::arg("budget_counts_saved") = false,
+          py::arg("checkpoint_share") = region::kDefaultCheckpointShare)
       .def("push_policy", &region::Region::push_policy, NoGil())
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
-      .def("pack", [](region::Region& self, const at::Tensor& t) {
-        if (auto saved = self.try_pack(t)) {
-          return SavedActivationHandle(std::move(*saved));
-        }
-        py::gil_scoped_release no_gil;
-        return SavedActivationHandle(self.pack(t));
-      })
-      .def("set_storage_restorer", [](region::Region& self, py::object restore, py::object done) {
-        // Held by the region: released with the GIL (the region may die on
-        // a thread that does not hold it).
-        auto restore_fn = std::shared_ptr<py::object>(
-            new py::object(std::move(restore)), [](py::object* o) {
+      .def(
+          "pack",
+          [](region::Region& self, const at::Tensor& t) {
+            if (auto saved = self.try_pack(t)) {
+              return SavedActivationHandle(std::move(*saved));
+            }
+            py::gil_scoped_release no_gil;
+            return SavedActivationHandle(self.pack(t));
+          })
+      .def(
+          "set_storage_restorer",
+          [](region::Region& self, py::object restore, py::object done) {
+            // Held by the region: released with the GIL (the region may die on
+            // a thread that does not hold it).
+            auto restore_fn = std::shared_ptr<py::object>(
+                new py::object(std::move(restore)), [](py::object* o) {
+                  py::gil_scoped_acquire gil;
+                  delete o;
+                });
+            auto done_fn = std::shared_ptr<py::object>(
+                new py::object(std::move(done)), [](py::object* o) {
+                  py::gil_scoped_acquire gil;
+                  delete o;
+                });
+            region::Region::StorageRestorer restorer;
+            restorer.restore = [restore_fn](const at::Tensor& t) {
               py::gil_scoped_acquire gil;
-              delete o;
-            });
-        auto done_fn = std::shared_ptr<py::object>(
-            new py::object(std::move(done)), [](py::object* o) {
+              return (*restore_fn)(t).cast<bool>();
+            };
+            restorer.done = [done_fn] {
               py::gil_scoped_acquire gil;
-              delete o;
-            });
-        region::Region::StorageRestorer restorer;
-        restorer.restore = [restore_fn](const at::Tensor& t) {
-          py::gil_scoped_acquire gil;
-          return (*restore_fn)(t).cast<bool>();
-        };
-        restorer.done = [done_fn] {
-          py::gil_scoped_acquire gil;
-          (*done_fn)();
-        };
-        py::gil_scoped_release no_gil;
-        self.set_storage_restorer(std::move(restorer));
-      })
-      .def("stats", [](const region::Region& self) {
-        region::RegionStats s;
-        {
-          py::gil_scoped_release no_gil;
-          s = self.stats();
-        }
-        py::dict d;
-        d["policy_calls"] = s.policy_calls;
-        d["saved_ops"] = s.saved_ops;
-        d["saved_bytes"] = s.saved_bytes;
-        d["dropped_ops"] = s.dropped_ops;
-        d["dropped_bytes"] = s.dropped_bytes;
-        d["held_bytes"] = s.held_bytes;
-        d["packed_kept"] = s.packed_kept;
-        d["packed_dropped"] = s.packed_dropped;
-        d["unpacked_original"] = s.unpacked_original;
-        d["replayed_ops"] = s.replayed_ops;
-        d["replay_ns"] = s.replay_ns;
-        d["replayed_cost"] = s.replayed_cost;
-        d["record_ns"] = s.record_ns;
-        d["memo_bytes"] = s.memo_bytes;
-        d["peak_memo_bytes"] = s.peak_memo_bytes;
-        d["memos_skipped"] = s.memos_skipped;
-        d["peak_held_bytes"] = s.peak_held_bytes;
-        d["budget_choice_ns"] = s.budget_choice_ns;
-        d["spaced_choices"] = s.spaced_choices;
-        d["first_rebuild_replayed_ops"] = s.first_rebuild_replayed_ops;
-        return d;
-      })
-      .def("set_replay_schedule", [](region::Region& self,
-                                     const std::vector<std::tuple<
-                                         std::tuple<std::string, int64_t, int32_t>,
-                                         std::vector<std::tuple<std::string, int64_t, int32_t>>,
-                                         std::vector<std::tuple<std::string, int64_t, int32_t>>>>& steps) {
-        auto key = [](const std::tuple<std::string, int64_t, int32_t>& k) {
-          return region::TensorKey{std::get<0>(k), std::get<1>(k), std::get<2>(k)};
-        };
-        region::ReplaySchedule schedule;
-        for (const auto& [unpacked, keep, release] : steps) {
-          region::RebuildStep step{key(unpacked), {}, {}};
-          for (const auto& k : keep) {
-            step.keep.push_back(key(k));
-          }
-          for (const auto& k : release) {
-            step.release.push_back(key(k));
-          }
-          schedule.push_back(std::move(step));
-        }
-        py::gil_scoped_release no_gil;
-        self.set_replay_schedule(std::move(schedule));
-      })
+              (*done_fn)();
+            };
+            py::gil_scoped_release no_gil;
+            self.set_storage_restorer(std::move(restorer));
+          })
+      .def(
+          "stats",
+          [](const region::Region& self) {
+            region::RegionStats s;
+            {
+              py::gil_scoped_release no_gil;
+              s = self.stats();
+            }
+            py::dict d;
+            d["policy_calls"] = s.policy_calls;
+            d["saved_ops"] = s.saved_ops;
+            d["saved_bytes"] = s.saved_bytes;
+            d["dropped_ops"] = s.dropped_ops;
+            d["dropped_bytes"] = s.dropped_bytes;
+            d["held_bytes"] = s.held_bytes;
+            d["packed_kept"] = s.packed_kept;
+            d["packed_dropped"] = s.packed_dropped;
+            d["unpacked_original"] = s.unpacked_original;
+            d["replayed_ops"] = s.replayed_ops;
+            d["replay_ns"] = s.replay_ns;
+            d["replayed_cost"] = s.replayed_cost;
+            d["record_ns"] = s.record_ns;
+            d["memo_bytes"] = s.memo_bytes;
+            d["peak_memo_bytes"] = s.peak_memo_bytes;
+            d["memos_skipped"] = s.memos_skipped;
+            d["peak_held_bytes"] = s.peak_held_bytes;
+            d["budget_choice_ns"] = s.budget_choice_ns;
+            d["spaced_choices"] = s.spaced_choices;
+            d["first_rebuild_replayed_ops"] = s.first_rebuild_replayed_ops;
+            return d;
+          })
+      .def(
+          "set_replay_schedule",
+          [](region::Region& self,
+             const std::vector<std::tuple<
+                 std::tuple<std::string, int64_t, int32_t>,
+                 std::vector<std::tuple<std::string, int64_t, int32_t>>,
+                 std::vector<std::tuple<std::string, int64_t, int32_t>>>>& steps) {
+            auto key = [](const std::tuple<std::string, int64_t, int32_t>& k) {
+              return region::TensorKey{std::get<0>(k), std::get<1>(k), std::get<2>(k)};
+            };
+            region::ReplaySchedule schedule;
+            for (const auto& [unpacked, keep, release] : steps) {
+              region::RebuildStep step{key(unpacked), {}, {}};
+              for (const auto& k : keep) {
+                step.keep.push_back(key(k));
+              }
+              for (const auto& k : release) {
+                step.release.push_back(key(k));
+              }
+              schedule.push_back(std::move(step));
+            }
+            py::gil_scoped_release no_gil;
+            self.set_replay_schedule(std::move(schedule));
+          })
       .def("saved_calls", &region::Region::saved_calls, NoGil())
-      .def("executed_schedule", [](const region::Region& self) {
-        region::ReplaySchedule schedule;
-        {
-          py::gil_scoped_release no_gil;
-          schedule = self.executed_schedule();
-        }
-        auto key = [](const region::TensorKey& k) {
-          return std::make_tuple(k.op, k.call_index, k.output);
-        };
-        py::list steps;
-        for (const auto& step : schedule) {
-          py::list keep;
-          for (const auto& k : step.keep) {
-            keep.append(key(k));
-          }
-          py::list release;
-          for (const auto& k : step.release) {
-            release.append(key(k));
-          }
-          steps.append(py::make_tuple(key(step.unpacked), keep, release));
-        }
-        return steps;
-      })
-      .def("op_summary", [](const region::Region& self) {
-        std::vector<region::RegionOpSummary> summary;
-        {
-          py::gil_scoped_release no_gil;
-          summary = self.op_summary();
-        }
-        std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
-        for (const auto& s : summary) {
-          rows.emplace_back(s.op, s.saved, s.dropped, s.replayed);
-        }
-        return rows;
-      })
+      .def(
+          "executed_schedule",
+          [](const region::Region& self) {
+            region::ReplaySchedule schedule;
+            {
+              py::gil_scoped_release no_gil;
+              schedule = self.executed_schedule();
+            }
+            auto key = [](const region::TensorKey& k) {
+              return std::make_tuple(k.op, k.call_index, k.output);
+            };
+            py::list steps;
+            for (const auto& step : schedule) {
+              py::list keep;
+              for (const auto& k : step.keep) {
+                keep.append(key(k));
+              }
+              py::list release;
+              for (const auto& k : step.release) {
+                release.append(key(k));
+              }
+              steps.append(py::make_tuple(key(step.unpacked), keep, release));
+            }
+            return steps;
+          })
+      .def(
+          "op_summary",
+          [](const region::Region& self) {
+            std::vector<region::RegionOpSummary> summary;
+            {
+              py::gil_scoped_release no_gil;
+              summary = self.op_summary();
+            }
+            std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>> rows;
+            for (const auto& s : summary) {
+              rows.emplace_back(s.op, s.saved, s.dropped, s.replayed);
+            }
+            return rows;
+          })
       .def("op_details", [](const region::Region& self) {
         std::vector<region::RegionOpSummary> summary;
         {
@@ -248,8 +273,9 @@ PYBIND11_MODULE(_C, m) {
         }
         py::list rows;
         for (const auto& s : summary) {
-          rows.append(op_details_row(s.op, s.saved, s.dropped, s.replayed, s.saved_bytes,
-                                     s.dropped_bytes, s.replay_ns, s.replays_by_call));
+          rows.append(op_details_row(
+              s.op, s.saved, s.dropped, s.replayed, s.saved_bytes, s.dropped_bytes, s.replay_ns,
+              s.replays_by_call));
         }
         return rows;
       });
@@ -259,19 +285,17 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // While alive on a thread, handlers let ops through (compiled code runs).
-  py::class_<OpaqueCodeGuard>(m, "OpaqueCode")
-      .def(py::init<>());
+  py::class_<OpaqueCodeGuard>(m, "OpaqueCode").def(py::init<>());
   m.def("interception_paused", &interception_paused);
 
   m.def("key_adapter_unavailable_reason", &key_adapter_unavailable_reason);
   m.def("install_key_adapter", &install_key_adapter);
   m.def("key_adapter_runs_below_modes", &key_adapter_runs_below_modes);
-  m.def("built_with_torch", [] { return std::string(TORCH_SAC_TORCH_VERSION); },
-        "The torch release (major.minor.patch) whose headers this module was built with.");
+  m.def(
+      "built_with_torch", [] { return std::string(TORCH_SAC_TORCH_VERSION); },
+      "The torch release (major.minor.patch) whose headers this module was built with.");
   m.def("push_key_handler", &push_key_handler);
-  m.def("pop_key_handler", [](const std::shared_ptr<OpHandler>& h) {
-    pop_key_handler(h.get());
-  });
+  m.def("pop_key_handler", [](const std::shared_ptr<OpHandler>& h) { pop_key_handler(h.get()); });
   m.def("key_handler_depth", &key_handler_depth);
   python::register_handler_mode_base(m);
   python::register_frame_exit_watch(m);
@@ -297,23 +321,22 @@ PYBIND11_MODULE(_C, m) {
     }
     return names;
   });
-  m.def("add_ignored_ops",
-        [](const std::vector<std::pair<std::string, std::string>>& names) {
-          std::vector<c10::OperatorName> ops;
-          for (const auto& [name, overload] : names) {
-            ops.emplace_back(name, overload);
-          }
-          add_ignored_ops(ops);
-        },
-        py::arg("names"),
-        "Adds (\"ns::name\", overload) pairs to the ignored set; import time only.");
+  m.def(
+      "add_ignored_ops",
+      [](const std::vector<std::pair<std::string, std::string>>& names) {
+        std::vector<c10::OperatorName> ops;
+        for (const auto& [name, overload] : names) {
+          ops.emplace_back(name, overload);
+        }
+        add_ignored_ops(ops);
+      },
+      py::arg("names"),
+      "Adds (\"ns::name\", overload) pairs to the ignored set; import time only.");
 
   // ---- Memory measurement (csrc/core/counting_allocator.h; Python API in
   // ---- torch_sac/memory.py) --------------------------------------------
   m.def("install_counting_allocator", [] { install_counting_allocator(); });
-  m.def("counting_allocator_installed", [] {
-    return installed_counting_allocator() != nullptr;
-  });
+  m.def("counting_allocator_installed", [] { return installed_counting_allocator() != nullptr; });
   py::class_<CpuMemoryStats>(m, "CpuMemoryStats")
       .def_readonly("allocated", &CpuMemoryStats::allocated)
       .def_readonly("peak", &CpuMemoryStats::peak)

@@ -1,4 +1,4 @@
-#include "budget_bindings.h"
+#include "csrc/python/budget_bindings.h"
 
 #include <pybind11/stl.h>
 
@@ -16,17 +16,12 @@ namespace torch_sac::python {
 void register_budget(py::module_& m) {
   m.def(
       "budget_solve",
-      [](std::vector<int64_t> storage_bytes,
-         const std::vector<double>& values,
-         const std::vector<std::vector<int64_t>>& item_storages,
-         int64_t capacity,
-         const std::string& solver,
-         int64_t max_states,
-         int max_enumeration_bits) {
+      [](std::vector<int64_t> storage_bytes, const std::vector<double>& values,
+         const std::vector<std::vector<int64_t>>& item_storages, int64_t capacity,
+         const std::string& solver, int64_t max_states, int max_enumeration_bits) {
         TORCH_CHECK_VALUE(
-            values.size() == item_storages.size(),
-            "torch_sac.budget_solve: ", values.size(), " values but ",
-            item_storages.size(), " storage lists");
+            values.size() == item_storages.size(), "torch_sac.budget_solve: ", values.size(),
+            " values but ", item_storages.size(), " storage lists");
         budget::Problem problem;
         problem.storage_bytes = std::move(storage_bytes);
         problem.capacity = capacity;
@@ -57,9 +52,8 @@ void register_budget(py::module_& m) {
         d["note"] = sol.note;
         return d;
       },
-      py::arg("storage_bytes"), py::arg("values"), py::arg("item_storages"),
-      py::arg("capacity"), py::arg("solver") = "auto",
-      py::arg("max_states") = budget::Options{}.max_states,
+      py::arg("storage_bytes"), py::arg("values"), py::arg("item_storages"), py::arg("capacity"),
+      py::arg("solver") = "auto", py::arg("max_states") = budget::Options{}.max_states,
       py::arg("max_enumeration_bits") = budget::Options{}.max_enumeration_bits,
       "Set-union knapsack over op calls (see policies/budget_solver.h).");
 

@@ -1,4 +1,4 @@
-#include "frame_exit_watch.h"
+#include "csrc/python/frame_exit_watch.h"
 
 #include <Python.h>
 #include <c10/util/Exception.h>
@@ -84,8 +84,7 @@ void uninstall() {
 }
 
 int on_profile_event(PyObject* /*obj*/, PyFrameObject* frame, int what, PyObject* arg) {
-  if (tls.previous_func != nullptr &&
-      tls.previous_func(tls.previous_obj, frame, what, arg) != 0) {
+  if (tls.previous_func != nullptr && tls.previous_func(tls.previous_obj, frame, what, arg) != 0) {
     return -1;
   }
   if (what != PyTrace_RETURN || tls.watches.empty()) {
@@ -121,7 +120,8 @@ int on_profile_event(PyObject* /*obj*/, PyFrameObject* frame, int what, PyObject
 
 int64_t watch_frame_exit(py::handle frame, py::object callback) {
   TORCH_CHECK_TYPE(PyFrame_Check(frame.ptr()), "torch_sac: watch_frame_exit needs a frame");
-  TORCH_CHECK_TYPE(PyCallable_Check(callback.ptr()), "torch_sac: watch_frame_exit needs a callable");
+  TORCH_CHECK_TYPE(
+      PyCallable_Check(callback.ptr()), "torch_sac: watch_frame_exit needs a callable");
   install();
   const int64_t token = next_token++;
   tls.watches.push_back(Watch{token, frame.ptr(), std::move(callback)});
@@ -141,13 +141,14 @@ void unwatch_frame_exit(int64_t token) {
 } // namespace
 
 void register_frame_exit_watch(py::module_& m) {
-  m.def("watch_frame_exit", &watch_frame_exit, py::arg("frame"), py::arg("callback"),
-        "Calls callback() when `frame` (running on this thread) returns or is "
-        "unwound by an exception; returns a token for unwatch_frame_exit.");
-  m.def("unwatch_frame_exit", &unwatch_frame_exit, py::arg("token"),
-        "Cancels a watch of this thread (no-op for an unknown token).");
-  m.def("frame_exit_watches", [] { return tls.watches.size(); },
-        "Watches pending on this thread.");
+  m.def(
+      "watch_frame_exit", &watch_frame_exit, py::arg("frame"), py::arg("callback"),
+      "Calls callback() when `frame` (running on this thread) returns or is "
+      "unwound by an exception; returns a token for unwatch_frame_exit.");
+  m.def(
+      "unwatch_frame_exit", &unwatch_frame_exit, py::arg("token"),
+      "Cancels a watch of this thread (no-op for an unknown token).");
+  m.def("frame_exit_watches", [] { return tls.watches.size(); }, "Watches pending on this thread.");
 }
 
 } // namespace torch_sac::python

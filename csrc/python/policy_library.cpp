@@ -2,16 +2,16 @@
 // bridge that lets a C++ policy answer PyTorch's own SAC
 // (OpPolicy.to_torch(), implemented in torch_sac/_torch_policy.py).
 
-#include "policy_library.h"
+#include "csrc/python/policy_library.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "csrc/core/name_scope.h"
 #include "csrc/core/selective_cache.h"
+#include "csrc/python/python_call_view.h"
+#include "csrc/python/python_key_adapter.h"
 #include "policies/builtin_policies.h"
-#include "python_call_view.h"
-#include "python_key_adapter.h"
 
 namespace py = pybind11;
 
@@ -35,9 +35,8 @@ std::vector<c10::IValue> outputs_from_python(
   } else if (!returns.empty()) {
     const auto items = py::reinterpret_borrow<py::sequence>(output);
     TORCH_CHECK(
-        static_cast<size_t>(py::len(items)) == returns.size(),
-        "torch_sac: ", schema.name(), " returned ", py::len(items),
-        " values, its schema has ", returns.size());
+        static_cast<size_t>(py::len(items)) == returns.size(), "torch_sac: ", schema.name(),
+        " returned ", py::len(items), " values, its schema has ", returns.size());
     for (size_t i = 0; i < returns.size(); ++i) {
       values.push_back(torch::jit::toIValue(items[i], returns[i].type()));
     }
@@ -65,10 +64,8 @@ int decide_for_torch(
   }
   torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(true);
   torch::jit::Stack inputs = torch::jit::createStackForSchema(
-      op->schema(),
-      args,
-      kwargs.is_none() ? py::kwargs() : py::reinterpret_borrow<py::kwargs>(kwargs),
-      std::nullopt);
+      op->schema(), args,
+      kwargs.is_none() ? py::kwargs() : py::reinterpret_borrow<py::kwargs>(kwargs), std::nullopt);
   const std::vector<c10::IValue> outputs = outputs_from_python(op->schema(), output);
   const PythonCallView view{func.ptr(), args.ptr(), kwargs.ptr()};
   const OpCall call{*op, inputs, outputs, call_index, &view};
@@ -88,13 +85,18 @@ int decide_for_torch(
 
 void register_policy_library(py::module_& m) {
   // Named scopes (torch_sac.name).
-  m.def("intern_name", [](const std::string& name) { return intern_name(name); },
-        "The id of a scope name (the same for the same string).");
-  m.def("push_name", &push_name, py::arg("id"),
-        "Opens a scope on this thread; returns the token pop_name needs.");
-  m.def("pop_name", &pop_name, py::arg("id"), py::arg("depth"),
-        "Closes the scope push_name opened; raises if closed out of order.");
-  m.def("active_names", [] {
+  m.def(
+      "intern_name", [](const std::string& name) { return intern_name(name); },
+      "The id of a scope name (the same for the same string).");
+  m.def(
+      "push_name", &push_name, py::arg("id"),
+      "Opens a scope on this thread; returns the token pop_name needs.");
+  m.def(
+      "pop_name", &pop_name, py::arg("id"), py::arg("depth"),
+      "Closes the scope push_name opened; raises if closed out of order.");
+  m.def(
+      "active_names",
+      [] {
         std::vector<std::string> names;
         for (const NameId id : active_names()) {
           names.push_back(name_string(id));
@@ -107,29 +109,33 @@ void register_policy_library(py::module_& m) {
 
   // Policies answering PyTorch's SAC (OpPolicy.to_torch).
   py::object op_policy = m.attr("OpPolicy");
-  py::setattr(op_policy, "_needs_call_index", py::cpp_function(
-      [](const OpPolicy& self) { return self.needs_call_index(); },
-      py::is_method(op_policy), py::name("_needs_call_index"),
-      py::sibling(py::getattr(op_policy, "_needs_call_index", py::none()))));
-  py::setattr(op_policy, "_decide_torch", py::cpp_function(
-      &decide_for_torch,
-      py::is_method(op_policy), py::name("_decide_torch"),
-      py::arg("op"), py::arg("args"), py::arg("kwargs"), py::arg("output"),
-      py::arg("call_index"), py::arg("names"),
-      py::sibling(py::getattr(op_policy, "_decide_torch", py::none()))));
+  py::setattr(
+      op_policy, "_needs_call_index",
+      py::cpp_function(
+          [](const OpPolicy& self) { return self.needs_call_index(); }, py::is_method(op_policy),
+          py::name("_needs_call_index"),
+          py::sibling(py::getattr(op_policy, "_needs_call_index", py::none()))));
+  py::setattr(
+      op_policy, "_decide_torch",
+      py::cpp_function(
+          &decide_for_torch, py::is_method(op_policy), py::name("_decide_torch"), py::arg("op"),
+          py::arg("args"), py::arg("kwargs"), py::arg("output"), py::arg("call_index"),
+          py::arg("names"), py::sibling(py::getattr(op_policy, "_decide_torch", py::none()))));
 
   // What forward cached, per (op, call index): SelectiveCheckpoint.saved_calls().
   py::object checkpoint = m.attr("SelectiveCheckpoint");
-  py::setattr(checkpoint, "saved_calls", py::cpp_function(
-      [](const SelectiveCheckpoint& self) {
-        std::vector<std::pair<py::object, int64_t>> calls;
-        for (const auto& [op, index] : self.cache->saved_calls()) {
-          calls.emplace_back(overload_for(op), index);
-        }
-        return calls;
-      },
-      py::is_method(checkpoint), py::name("saved_calls"),
-      py::sibling(py::getattr(checkpoint, "saved_calls", py::none()))));
+  py::setattr(
+      checkpoint, "saved_calls",
+      py::cpp_function(
+          [](const SelectiveCheckpoint& self) {
+            std::vector<std::pair<py::object, int64_t>> calls;
+            for (const auto& [op, index] : self.cache->saved_calls()) {
+              calls.emplace_back(overload_for(op), index);
+            }
+            return calls;
+          },
+          py::is_method(checkpoint), py::name("saved_calls"),
+          py::sibling(py::getattr(checkpoint, "saved_calls", py::none()))));
 }
 
 } // namespace torch_sac::python

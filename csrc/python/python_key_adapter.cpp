@@ -1,11 +1,11 @@
-#include "python_key_adapter.h"
+#include "csrc/python/python_key_adapter.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <unordered_map>
 
-#include "python_call_view.h"
+#include "csrc/python/python_call_view.h"
 
 namespace py = pybind11;
 
@@ -15,7 +15,7 @@ namespace {
 // The operator behind each OpOverload object seen so far. Keys hold a strong
 // reference so a pointer is never reused by another object. Guarded by the GIL.
 struct ResolvedOp {
-  std::optional<c10::OperatorHandle> op;  // unset: not a dispatcher operator
+  std::optional<c10::OperatorHandle> op; // unset: not a dispatcher operator
 };
 std::unordered_map<PyObject*, ResolvedOp>& resolved_ops() {
   static auto* ops = new std::unordered_map<PyObject*, ResolvedOp>();
@@ -44,16 +44,15 @@ const ResolvedOp& resolve(PyObject* func) {
 
 // Instances of torch_sac._C.HandlerModeBase: the C part of the mode object.
 struct HandlerModeObject {
-  PyObject_HEAD
-  std::shared_ptr<OpHandler>* handler;  // owned; null until _set_handler
+  PyObject_HEAD std::shared_ptr<OpHandler>* handler; // owned; null until _set_handler
 };
 
 PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
       nargs == 3 || nargs == 4,
-      "torch_sac: __torch_dispatch__ expects (func, types, args, kwargs), got ",
-      nargs, " arguments");
+      "torch_sac: __torch_dispatch__ expects (func, types, args, kwargs), got ", nargs,
+      " arguments");
   auto* mode = reinterpret_cast<HandlerModeObject*>(self);
   TORCH_CHECK(mode->handler, "torch_sac: this mode has no handler; call _set_handler first");
   PyObject* func = argv[0];
@@ -68,11 +67,8 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
   // numbers, as when torch itself calls an OpOverload from Python.
   torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(true);
   torch::jit::Stack stack = torch::jit::createStackForSchema(
-      op.schema(),
-      py::reinterpret_borrow<py::tuple>(args),
-      kwargs == Py_None ? py::kwargs()
-                        : py::reinterpret_borrow<py::kwargs>(kwargs),
-      std::nullopt);
+      op.schema(), py::reinterpret_borrow<py::tuple>(args),
+      kwargs == Py_None ? py::kwargs() : py::reinterpret_borrow<py::kwargs>(kwargs), std::nullopt);
   const PythonCallView view{func, args, kwargs};
   // Keeps the handler alive even if the mode is reset while the op runs.
   const std::shared_ptr<OpHandler> handler = *mode->handler;
@@ -84,8 +80,7 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
     // Python policies take the GIL back themselves.
     py::gil_scoped_release no_gil;
     handler->handle(
-        op,
-        &stack,
+        op, &stack,
         [&](torch::jit::Stack* s) {
           // torch pops this mode while __torch_dispatch__ runs, so this call
           // reaches the next mode or the kernel.
@@ -118,8 +113,7 @@ void dealloc(PyObject* self) {
 
 PyMethodDef mode_methods[] = {
     {"__torch_dispatch__",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_dispatch)),
-     METH_FASTCALL,
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&torch_dispatch)), METH_FASTCALL,
      "Runs the op through torch_sac's C++ handler."},
     {"_set_handler", &set_handler, METH_O, "Binds the C++ op handler."},
     {nullptr, nullptr, 0, nullptr}};
@@ -128,16 +122,13 @@ PyType_Slot mode_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(&dealloc)},
     {Py_tp_methods, mode_methods},
     {Py_tp_new, reinterpret_cast<void*>(&PyType_GenericNew)},
-    {Py_tp_doc, const_cast<char*>(
-        "Base of torch_sac's TorchDispatchMode: __torch_dispatch__ in C.")},
+    {Py_tp_doc,
+     const_cast<char*>("Base of torch_sac's TorchDispatchMode: __torch_dispatch__ in C.")},
     {0, nullptr}};
 
 PyType_Spec mode_spec = {
-    "torch_sac._C.HandlerModeBase",
-    sizeof(HandlerModeObject),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    mode_slots};
+    "torch_sac._C.HandlerModeBase", sizeof(HandlerModeObject), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, mode_slots};
 
 } // namespace
 
@@ -162,7 +153,8 @@ py::object overload_for(const c10::OperatorHandle& op) {
   const auto& name = op.operator_name();
   const auto sep = name.name.find("::");
   TORCH_INTERNAL_ASSERT(sep != std::string::npos, "unqualified op ", name.name);
-  py::object packet = py::module_::import("torch").attr("ops")
+  py::object packet = py::module_::import("torch")
+                          .attr("ops")
                           .attr(name.name.substr(0, sep).c_str())
                           .attr(name.name.substr(sep + 2).c_str());
   py::object overload = packet.attr(

@@ -1,13 +1,13 @@
-#include "python_policy.h"
+#include "csrc/python/python_policy.h"
 
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <array>
 
 #include "csrc/core/op_name.h"
+#include "csrc/python/python_call_view.h"
+#include "csrc/python/python_key_adapter.h"
 #include "policies/builtin_policies.h"
-#include "python_call_view.h"
-#include "python_key_adapter.h"
 
 namespace py = pybind11;
 
@@ -39,17 +39,16 @@ Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
   const std::string repr = py::repr(value);
   for (size_t i = enums.sac.size(); i < enums.torch.size(); ++i) {
     TORCH_CHECK_NOT_IMPLEMENTED(
-        value != enums.torch[i].ptr(),
-        "torch_sac: the policy returned ", repr, " for ", op_display_name(op),
+        value != enums.torch[i].ptr(), "torch_sac: the policy returned ", repr, " for ",
+        op_display_name(op),
         "; torch_sac does not offload to CPU. Return MUST_SAVE and wrap the "
         "region in torch.autograd.graph.save_on_cpu() instead.");
   }
   // ValueError, not TypeError: Python's binary operators turn a TypeError
   // raised inside `x @ w` into "unsupported operand type(s)", hiding this.
   TORCH_CHECK_VALUE(
-      false,
-      "torch_sac: the policy returned ", repr, " (type ",
-      Py_TYPE(value)->tp_name, ") for ", op_display_name(op),
+      false, "torch_sac: the policy returned ", repr, " (type ", Py_TYPE(value)->tp_name, ") for ",
+      op_display_name(op),
       "; expected torch_sac.Policy, torch.utils.checkpoint.CheckpointPolicy "
       "or bool.");
 }
@@ -69,7 +68,7 @@ py::object arg_to_python(const c10::IValue& v) {
         case at::kBool:
           return py::bool_(*t.const_data_ptr<bool>());
         default:
-          break;  // complex and the rest: as a tensor
+          break; // complex and the rest: as a tensor
       }
     }
   }
@@ -98,7 +97,7 @@ std::pair<py::tuple, py::object> args_kwargs_from_stack(
   while (kwarg_start > 0 && schema_args[kwarg_start - 1].kwarg_only()) {
     --kwarg_start;
   }
-  py::object kwargs;  // null when empty: no dict per call
+  py::object kwargs; // null when empty: no dict per call
   for (size_t i = kwarg_start; i < inputs.size(); ++i) {
     if (!is_default(i)) {
       if (!kwargs) {
@@ -174,15 +173,13 @@ class PythonPolicy final : public OpPolicy {
   // built without running its Python __init__ (one object per op call).
   static py::object make_context(py::object op_output) {
     static auto* cls = new py::object(
-        py::module_::import("torch.utils.checkpoint")
-            .attr("SelectiveCheckpointContext"));
+        py::module_::import("torch.utils.checkpoint").attr("SelectiveCheckpointContext"));
     static auto* is_recompute = new py::str("is_recompute");
     static auto* op_output_name = new py::str("op_output");
     auto* type = reinterpret_cast<PyTypeObject*>(cls->ptr());
     py::tuple no_args;
     auto ctx = py::reinterpret_steal<py::object>(type->tp_new(type, no_args.ptr(), nullptr));
-    if (!ctx ||
-        PyObject_SetAttr(ctx.ptr(), is_recompute->ptr(), Py_False) != 0 ||
+    if (!ctx || PyObject_SetAttr(ctx.ptr(), is_recompute->ptr(), Py_False) != 0 ||
         PyObject_SetAttr(ctx.ptr(), op_output_name->ptr(), op_output.ptr()) != 0) {
       throw py::error_already_set();
     }
@@ -204,8 +201,7 @@ std::vector<policies::OpPattern> to_patterns(const OpPatternList& ops) {
 } // namespace
 
 void register_policy_enums(py::object sac_policy, py::object torch_policy) {
-  static const char* names[] = {
-      "MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"};
+  static const char* names[] = {"MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"};
   auto& enums = policy_enums();
   enums.torch.clear();
   for (size_t i = 0; i < 4; ++i) {
@@ -227,8 +223,8 @@ py::object policy_to_python(Policy p) {
 
 std::shared_ptr<OpPolicy> make_python_policy(py::object fn) {
   TORCH_CHECK_TYPE(
-      PyCallable_Check(fn.ptr()),
-      "torch_sac: a policy must be callable, got ", py::repr(fn).cast<std::string>());
+      PyCallable_Check(fn.ptr()), "torch_sac: a policy must be callable, got ",
+      py::repr(fn).cast<std::string>());
   return std::make_shared<PythonPolicy>(std::move(fn));
 }
 

@@ -22,8 +22,7 @@ void register_policy_enums(pybind11::object sac_policy, pybind11::object torch_p
 std::shared_ptr<OpPolicy> make_python_policy(pybind11::object fn);
 
 // (qualified name, overload or None for a whole packet) pairs from Python.
-using OpPatternList =
-    std::vector<std::pair<std::string, std::optional<std::string>>>;
+using OpPatternList = std::vector<std::pair<std::string, std::optional<std::string>>>;
 std::shared_ptr<OpPolicy> make_save_ops(const OpPatternList& ops);
 std::shared_ptr<OpPolicy> make_every_nth(const OpPatternList& ops, int64_t n);
 

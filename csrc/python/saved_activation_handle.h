@@ -24,7 +24,7 @@ struct SavedActivationHandle {
   SavedActivationHandle& operator=(SavedActivationHandle&&) noexcept = default;
   ~SavedActivationHandle() {
     if (saved.region && !saved.region->try_forget(saved)) {
-      pybind11::gil_scoped_release no_gil;  // a replay holds the region
+      pybind11::gil_scoped_release no_gil; // a replay holds the region
       region::SavedActivation dying = std::move(saved);
     }
   }

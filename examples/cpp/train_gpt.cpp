@@ -84,9 +84,13 @@ struct BlockImpl : torch::nn::Module {
       : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})))),
         attn(register_module("attn", CausalSelfAttention(c))),
         ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})))),
-        mlp(register_module("mlp", torch::nn::Sequential(
-            torch::nn::Linear(c.dim, 4 * c.dim), torch::nn::GELU(),
-            torch::nn::Linear(4 * c.dim, c.dim), torch::nn::Dropout(c.dropout)))) {}
+        mlp(register_module(
+            "mlp",
+            torch::nn::Sequential(
+                torch::nn::Linear(c.dim, 4 * c.dim),
+                torch::nn::GELU(),
+                torch::nn::Linear(4 * c.dim, c.dim),
+                torch::nn::Dropout(c.dropout)))) {}
 
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
@@ -148,8 +152,8 @@ std::string mib(int64_t bytes) {
 
 struct StepResult {
   double loss = 0;
-  int64_t activations = 0;  // bytes allocated by forward, still held after it
-  int64_t peak = 0;         // highest level above the start, forward + backward
+  int64_t activations = 0; // bytes allocated by forward, still held after it
+  int64_t peak = 0;        // highest level above the start, forward + backward
 };
 
 // One forward and backward on a fixed batch and dropout seed.
@@ -182,8 +186,9 @@ bool same_gradients(GPT& reference, GPT& checkpointed) {
     const torch::Tensor& ga = item.value().grad();
     const torch::Tensor& gb = b[item.key()].grad();
     if (!torch::equal(ga, gb)) {
-      std::printf("  gradient of %s differs: max |diff| %g\n", item.key().c_str(),
-                  (ga - gb).abs().max().item<double>());
+      std::printf(
+          "  gradient of %s differs: max |diff| %g\n", item.key().c_str(),
+          (ga - gb).abs().max().item<double>());
       return false;
     }
   }
@@ -195,7 +200,7 @@ bool same_gradients(GPT& reference, GPT& checkpointed) {
 int main(int argc, char** argv) {
   // Count every tensor allocation from here on (before any thread allocates).
   torch_sac::install_counting_allocator();
-  torch::set_num_threads(1);  // steady timings on a shared machine; exactness holds for any
+  torch::set_num_threads(1); // steady timings on a shared machine; exactness holds for any
   const Config c;
   const torch::Device device(argc > 1 ? argv[1] : "cpu");
   if (device.is_cuda() && !torch::cuda::is_available()) {
@@ -210,8 +215,8 @@ int main(int argc, char** argv) {
   auto attention_core = torch_sac::policies::from_callable(
       [](const torch_sac::OpCall&) {
         const auto names = torch_sac::active_names();
-        const bool in_core =
-            std::find(names.begin(), names.end(), attention_core_scope()) != names.end();
+        const bool in_core = std::find(names.begin(), names.end(), attention_core_scope()) !=
+            names.end();
         return in_core ? torch_sac::Policy::PreferRecompute : torch_sac::Policy::PreferSave;
       },
       "recompute the attention core");
@@ -235,15 +240,18 @@ int main(int argc, char** argv) {
   const auto tokens = torch::randint(c.vocab, {c.batch, c.seq}, torch::kLong).to(device);
   const auto targets = torch::roll(tokens, -1, 1);
 
-  std::printf("torch_sac %s (torch %s) on %s: GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n",
-              TORCH_SAC_VERSION, TORCH_SAC_TORCH_VERSION, device.str().c_str(), static_cast<long long>(c.blocks),
-              static_cast<long long>(c.dim), static_cast<long long>(c.seq),
-              static_cast<long long>(c.batch), c.dropout);
+  std::printf(
+      "torch_sac %s (torch %s) on %s: GPT %lld blocks, dim %lld, seq %lld, batch %lld, dropout %.1f\n",
+      TORCH_SAC_VERSION, TORCH_SAC_TORCH_VERSION, device.str().c_str(),
+      static_cast<long long>(c.blocks), static_cast<long long>(c.dim),
+      static_cast<long long>(c.seq), static_cast<long long>(c.batch), c.dropout);
   std::printf("budget_50%% plan for one block: %s\n\n", plan.summary().c_str());
-  std::printf("%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "", "", "", "regions:",
-              "", "", "with regions:", "", "without:", "", "");
-  std::printf("%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "policy", "step", "loss",
-              "kept", "dropped", "replayed", "activations", "peak", "activations", "peak", "grads");
+  std::printf(
+      "%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "", "", "", "regions:", "", "",
+      "with regions:", "", "without:", "", "");
+  std::printf(
+      "%-15s %4s %8s %10s %10s %8s %12s %10s %12s %10s  %s\n", "policy", "step", "loss", "kept",
+      "dropped", "replayed", "activations", "peak", "activations", "peak", "grads");
 
   bool all_exact = true;
   for (const auto& [name, policy] : policies) {
@@ -258,7 +266,7 @@ int main(int argc, char** argv) {
     torch::optim::AdamW sac_opt(checkpointed->parameters(), torch::optim::AdamWOptions(1e-3));
 
     for (int step = 0; step < c.steps; ++step) {
-      const uint64_t seed = 100 + step;  // the same dropout masks for both
+      const uint64_t seed = 100 + step; // the same dropout masks for both
       const StepResult plain = run_step(reference, tokens, targets, seed, nullptr, nullptr);
       std::vector<torch_sac::RegionHandle> regions;
       const StepResult sac = run_step(checkpointed, tokens, targets, seed, policy, &regions);
@@ -272,18 +280,20 @@ int main(int argc, char** argv) {
       }
       const bool exact = same_gradients(reference, checkpointed) && plain.loss == sac.loss;
       all_exact = all_exact && exact;
-      std::printf("%-15s %4d %8.4f %10s %10s %8lld %12s %10s %12s %10s  %s\n", name.c_str(), step,
-                  sac.loss, mib(total.saved_bytes).c_str(), mib(total.dropped_bytes).c_str(),
-                  static_cast<long long>(total.replayed_ops), shown(sac.activations).c_str(),
-                  shown(sac.peak).c_str(), shown(plain.activations).c_str(), shown(plain.peak).c_str(),
-                  exact ? "bitwise equal" : "DIFFER");
+      std::printf(
+          "%-15s %4d %8.4f %10s %10s %8lld %12s %10s %12s %10s  %s\n", name.c_str(), step, sac.loss,
+          mib(total.saved_bytes).c_str(), mib(total.dropped_bytes).c_str(),
+          static_cast<long long>(total.replayed_ops), shown(sac.activations).c_str(),
+          shown(sac.peak).c_str(), shown(plain.activations).c_str(), shown(plain.peak).c_str(),
+          exact ? "bitwise equal" : "DIFFER");
 
       if (step == c.steps - 1 && name == "save_matmuls") {
         std::printf("  ops of block 0's region, last step:\n");
         for (const auto& op : regions.front().op_details()) {
-          std::printf("    %-34s saved %2lld  dropped %2lld  replayed %2lld\n", op.op.c_str(),
-                      static_cast<long long>(op.saved), static_cast<long long>(op.dropped),
-                      static_cast<long long>(op.replayed));
+          std::printf(
+              "    %-34s saved %2lld  dropped %2lld  replayed %2lld\n", op.op.c_str(),
+              static_cast<long long>(op.saved), static_cast<long long>(op.dropped),
+              static_cast<long long>(op.replayed));
         }
       }
       ref_opt.step();
@@ -292,7 +302,9 @@ int main(int argc, char** argv) {
       sac_opt.zero_grad();
     }
   }
-  std::printf("\n%s\n", all_exact ? "gradients: bitwise equal to training without checkpointing"
-                                  : "gradients: DIFFER from training without checkpointing");
+  std::printf(
+      "\n%s\n",
+      all_exact ? "gradients: bitwise equal to training without checkpointing"
+                : "gradients: DIFFER from training without checkpointing");
   return all_exact ? 0 : 1;
 }

@@ -77,26 +77,26 @@ struct BudgetOptions {
 
 // One op call of the profiled region and what the plan does with it.
 struct PlannedCall {
-  c10::OperatorName op;  // {"aten::mm", ""} for aten.mm.default
-  int64_t call_index = 0;  // per op overload, within the region
-  double cost = 0;         // recompute cost: seconds or FLOPs
-  int64_t bytes = 0;       // of the region storages its outputs keep
-  int64_t new_bytes = 0;   // of which it allocated itself (0: view, in-place)
+  c10::OperatorName op;   // {"aten::mm", ""} for aten.mm.default
+  int64_t call_index = 0; // per op overload, within the region
+  double cost = 0;        // recompute cost: seconds or FLOPs
+  int64_t bytes = 0;      // of the region storages its outputs keep
+  int64_t new_bytes = 0;  // of which it allocated itself (0: view, in-place)
   bool saveable = true;
-  std::string why_not;     // when not saveable: "in-place op", ...
-  bool saved = false;      // MustSave in the plan
+  std::string why_not; // when not saveable: "in-place op", ...
+  bool saved = false;  // MustSave in the plan
 };
 
 struct BudgetPlan {
   // MustSave for `chosen`, PreferRecompute for everything else: pass it to
   // SacContext or checkpoint().
   PolicyPtr policy;
-  std::vector<policies::SavedCall> chosen;  // in region order
-  std::vector<PlannedCall> calls;           // every op call, in region order
+  std::vector<policies::SavedCall> chosen; // in region order
+  std::vector<PlannedCall> calls;          // every op call, in region order
 
   Cost cost = Cost::Time;
   int64_t budget_bytes = 0;
-  std::optional<double> fraction;  // when the budget was given as one
+  std::optional<double> fraction; // when the budget was given as one
   // Bytes of the distinct region storages the saved outputs keep alive
   // (<= budget_bytes).
   int64_t saved_bytes = 0;
@@ -110,10 +110,10 @@ struct BudgetPlan {
   double avoided_cost = 0;
   double total_cost = 0;
 
-  budget::Method solver = budget::Method::Exact;  // Exact or Greedy: what ran
-  bool optimal = false;     // proven optimal for the cost model
-  double upper_bound = 0;   // proven bound on the best avoidable cost
-  std::string solver_note;  // why Auto fell back to greedy, if it did
+  budget::Method solver = budget::Method::Exact; // Exact or Greedy: what ran
+  bool optimal = false;                          // proven optimal for the cost model
+  double upper_bound = 0;                        // proven bound on the best avoidable cost
+  std::string solver_note;                       // why Auto fell back to greedy, if it did
   double solve_seconds = 0;
 
   // Whether the plan saves call `call_index` of `op`.

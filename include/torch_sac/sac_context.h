@@ -78,8 +78,7 @@ class RegionHandle {
 
  private:
   friend class SacContext;
-  explicit RegionHandle(std::shared_ptr<region::Region> region)
-      : region_(std::move(region)) {}
+  explicit RegionHandle(std::shared_ptr<region::Region> region) : region_(std::move(region)) {}
   std::shared_ptr<region::Region> region_;
 };
 

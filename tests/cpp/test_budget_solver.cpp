@@ -73,13 +73,14 @@ Problem random_problem(std::mt19937_64& rng, size_t n, Family family) {
         item.storages.push_back(static_cast<int64_t>(rng() % n_storages));
       }
       if (rng() % 8 == 0) {
-        p.storage_bytes[item.storages[0]] = 0;  // storage from outside the region
+        p.storage_bytes[item.storages[0]] = 0; // storage from outside the region
       }
     } else {
       item.storages.push_back(static_cast<int64_t>(i));
     }
     item.value = family == Family::Correlated
-        ? static_cast<double>(p.storage_bytes[item.storages[0]]) + 10.0 * static_cast<double>(rng() % 10)
+        ? static_cast<double>(p.storage_bytes[item.storages[0]]) +
+            10.0 * static_cast<double>(rng() % 10)
         : value_dist(rng);
     if (rng() % 10 == 0) {
       item.value = 0;
@@ -87,7 +88,8 @@ Problem random_problem(std::mt19937_64& rng, size_t n, Family family) {
     p.items.push_back(std::move(item));
   }
   int64_t total = std::accumulate(p.storage_bytes.begin(), p.storage_bytes.end(), int64_t{0});
-  p.capacity = static_cast<int64_t>(static_cast<double>(total) * std::uniform_real_distribution<double>(0.0, 0.8)(rng));
+  p.capacity = static_cast<int64_t>(
+      static_cast<double>(total) * std::uniform_real_distribution<double>(0.0, 0.8)(rng));
   return p;
 }
 
@@ -105,7 +107,9 @@ void expect_consistent(const Problem& p, const Solution& s) {
 double max_component_value(const Problem& p) {
   std::vector<int64_t> parent(p.storage_bytes.size());
   std::iota(parent.begin(), parent.end(), 0);
-  std::function<int64_t(int64_t)> find = [&](int64_t x) { return parent[x] == x ? x : parent[x] = find(parent[x]); };
+  std::function<int64_t(int64_t)> find = [&](int64_t x) {
+    return parent[x] == x ? x : parent[x] = find(parent[x]);
+  };
   for (const auto& item : p.items) {
     for (int64_t s : item.storages) {
       parent[find(s)] = find(item.storages[0]);
@@ -123,7 +127,8 @@ double max_component_value(const Problem& p) {
 TEST(BudgetSolver, ExactMatchesBruteForce) {
   std::mt19937_64 rng(42);
   int n_instances = 0;
-  for (Family family : {Family::Independent, Family::Shared, Family::Correlated, Family::FewSizes}) {
+  for (Family family :
+       {Family::Independent, Family::Shared, Family::Correlated, Family::FewSizes}) {
     for (int rep = 0; rep < 80; ++rep) {
       const size_t n = 1 + rng() % 14;
       const Problem p = random_problem(rng, n, family);
@@ -144,7 +149,8 @@ TEST(BudgetSolver, ExactMatchesBruteForce) {
 
 TEST(BudgetSolver, GreedyIsFeasibleAndWithinItsBound) {
   std::mt19937_64 rng(7);
-  for (Family family : {Family::Independent, Family::Shared, Family::Correlated, Family::FewSizes}) {
+  for (Family family :
+       {Family::Independent, Family::Shared, Family::Correlated, Family::FewSizes}) {
     for (int rep = 0; rep < 80; ++rep) {
       const Problem p = random_problem(rng, 1 + rng() % 14, family);
       const double opt = brute_force(p);
@@ -155,7 +161,7 @@ TEST(BudgetSolver, GreedyIsFeasibleAndWithinItsBound) {
       expect_consistent(p, s);
       const double tol = 1e-9 * std::max(1.0, opt);
       EXPECT_LE(s.value, opt + tol);
-      EXPECT_GE(s.upper_bound, opt - tol);  // the LP bound is a certificate
+      EXPECT_GE(s.upper_bound, opt - tol); // the LP bound is a certificate
       EXPECT_GE(s.value, opt / 2 - tol);
       EXPECT_GE(s.value, opt - max_component_value(p) - tol);
     }
@@ -216,7 +222,7 @@ TEST(BudgetSolver, ZeroBudgetAndEmptyProblems) {
   p.storage_bytes = {10, 0};
   p.items = {{1.0, {0}}, {2.0, {1}}, {3.0, {}}};
   s = solve(p);
-  EXPECT_EQ(s.chosen, (std::vector<int64_t>{1, 2}));  // free items only
+  EXPECT_EQ(s.chosen, (std::vector<int64_t>{1, 2})); // free items only
   EXPECT_EQ(s.bytes, 0);
 }
 
@@ -224,7 +230,8 @@ TEST(BudgetSolver, ValueIsMonotoneInTheBudget) {
   std::mt19937_64 rng(3);
   for (int rep = 0; rep < 20; ++rep) {
     Problem p = random_problem(rng, 60, rep % 2 ? Family::Shared : Family::FewSizes);
-    const int64_t total = std::accumulate(p.storage_bytes.begin(), p.storage_bytes.end(), int64_t{0});
+    const int64_t total = std::accumulate(
+        p.storage_bytes.begin(), p.storage_bytes.end(), int64_t{0});
     double previous = -1;
     for (int step = 0; step <= 20; ++step) {
       p.capacity = total * step / 20;
@@ -280,7 +287,7 @@ TEST(BudgetSolver, HugeComponentsAreApproximatedAndSaySo) {
   EXPECT_FALSE(s.optimal);
   EXPECT_NE(s.note.find("approximated"), std::string::npos) << s.note;
   expect_consistent(p, s);
-  o.max_enumeration_bits = 12;  // 20 storages, 20 items: still too many
+  o.max_enumeration_bits = 12; // 20 storages, 20 items: still too many
   EXPECT_FALSE(solve(p, o).optimal);
 }
 
@@ -317,13 +324,17 @@ Policy decide(OpPolicy& policy, const char* name, const char* overload, int64_t 
 
 TEST(SavedCallsPolicy, SavesExactlyTheListedCalls) {
   auto policy = save_calls(
-      {{{"aten::mm", ""}, 0}, {{"aten::mm", ""}, 3}, {{"aten::add", "Tensor"}, 1},
+      {{{"aten::mm", ""}, 0},
+       {{"aten::mm", ""}, 3},
+       {{"aten::add", "Tensor"}, 1},
        {{"myns::not_registered", ""}, 0}},
       "budget(test)");
   EXPECT_EQ(policy->size(), 4);
   EXPECT_EQ(policy->describe(), "budget(test)");
   for (int64_t i = 0; i < 6; ++i) {
-    EXPECT_EQ(decide(*policy, "aten::mm", "", i), i == 0 || i == 3 ? Policy::MustSave : Policy::PreferRecompute)
+    EXPECT_EQ(
+        decide(*policy, "aten::mm", "", i),
+        i == 0 || i == 3 ? Policy::MustSave : Policy::PreferRecompute)
         << i;
   }
   EXPECT_EQ(decide(*policy, "aten::add", "Tensor", 1), Policy::MustSave);

@@ -41,8 +41,7 @@ class InstallEnvironment : public ::testing::Environment {
     install_counting_allocator();
   }
 };
-const auto* const kEnvironment =
-    ::testing::AddGlobalTestEnvironment(new InstallEnvironment);
+const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new InstallEnvironment);
 
 int64_t allocated() {
   return cpu_memory_stats().allocated;
@@ -248,7 +247,7 @@ TEST(PeakWindow, NestsWithoutDisturbingOthers) {
     EXPECT_EQ(inner.peak() - inner.start(), 500);
   }
   EXPECT_EQ(inner_rise, 500);
-  reset_cpu_peak(); // the global peak does not move windows
+  reset_cpu_peak();                              // the global peak does not move windows
   EXPECT_EQ(outer.peak() - outer.start(), 4500); // b + c, once a was freed
   EXPECT_EQ(outer.current(), outer.start());
   outer.close();
@@ -289,8 +288,8 @@ struct RecordingAllocator final : c10::Allocator {
     }
     // Data 16 bytes into the block, like the mobile allocator's guard.
     void* block = std::malloc(n + 16);
-    return {static_cast<char*>(block) + 16, block, &free_with_guard,
-            c10::Device(c10::DeviceType::CPU)};
+    return {
+        static_cast<char*>(block) + 16, block, &free_with_guard, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override {
     return simple ? &free_simple : nullptr;

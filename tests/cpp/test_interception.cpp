@@ -115,7 +115,7 @@ TEST_F(KeyAdapter, PopOutOfOrderRaisesAndStillRemovesTheHandler) {
   push_key_handler(second);
   EXPECT_THROW(pop_key_handler(first.get()), c10::Error);
   EXPECT_EQ(key_handler_depth(), 1u);
-  EXPECT_THROW(pop_key_handler(first.get()), c10::Error);  // no longer there
+  EXPECT_THROW(pop_key_handler(first.get()), c10::Error); // no longer there
   pop_key_handler(second.get());
   EXPECT_EQ(key_handler_depth(), 0u);
   EXPECT_FALSE(c10::impl::tls_is_dispatch_key_included(kInterceptKey));
@@ -188,7 +188,10 @@ class SelectiveCacheTest : public KeyAdapter {
     return out;
   }
   // Recompute: the same ops under the cached handler.
-  std::pair<at::Tensor, at::Tensor> recompute(SelectiveCheckpoint& sac, const at::Tensor& a, const at::Tensor& b) {
+  std::pair<at::Tensor, at::Tensor> recompute(
+      SelectiveCheckpoint& sac,
+      const at::Tensor& a,
+      const at::Tensor& b) {
     sac.cache->begin_recompute();
     KeyAdapterScope scope(sac.cached);
     auto m = at::mm(a, b);
@@ -220,7 +223,7 @@ TEST_F(SelectiveCacheTest, SummaryCountsNewTensorsAndRecomputesPerCall) {
   sac.cache->begin_forward();
   {
     KeyAdapterScope scope(sac.caching);
-    at::sin(a).t().relu_();  // a view and an in-place op make no new tensor
+    at::sin(a).t().relu_(); // a view and an in-place op make no new tensor
   }
   forward(sac, a, b);
   recompute(sac, a, b);
@@ -234,7 +237,7 @@ TEST_F(SelectiveCacheTest, SummaryCountsNewTensorsAndRecomputesPerCall) {
   EXPECT_EQ(mm.recomputes_by_call, (std::vector<int64_t>{0}));
   EXPECT_EQ(rows.at("aten::sin.default").dropped_bytes, 9 * 4);
   for (const char* op : {"aten::t.default", "aten::relu_.default"}) {
-    EXPECT_EQ(rows.at(op).dropped, 1) << op;  // every call counts in op_summary
+    EXPECT_EQ(rows.at(op).dropped, 1) << op; // every call counts in op_summary
     EXPECT_EQ(rows.at(op).dropped_new + rows.at(op).saved_new, 0) << op;
     EXPECT_EQ(rows.at(op).dropped_bytes, 0) << op;
   }

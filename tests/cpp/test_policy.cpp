@@ -39,13 +39,17 @@ TEST(Policy, Predicates) {
 
 TEST(Policy, MustBeatsPrefer) {
   EXPECT_EQ(combine_policies(Policy::MustSave, Policy::PreferRecompute, "op"), Policy::MustSave);
-  EXPECT_EQ(combine_policies(Policy::PreferSave, Policy::MustRecompute, "op"), Policy::MustRecompute);
-  EXPECT_EQ(combine_policies(Policy::MustRecompute, Policy::PreferSave, "op"), Policy::MustRecompute);
+  EXPECT_EQ(
+      combine_policies(Policy::PreferSave, Policy::MustRecompute, "op"), Policy::MustRecompute);
+  EXPECT_EQ(
+      combine_policies(Policy::MustRecompute, Policy::PreferSave, "op"), Policy::MustRecompute);
 }
 
 TEST(Policy, InnermostPreferWins) {
-  EXPECT_EQ(combine_policies(Policy::PreferSave, Policy::PreferRecompute, "op"), Policy::PreferRecompute);
-  EXPECT_EQ(combine_policies(Policy::PreferRecompute, Policy::PreferSave, "op"), Policy::PreferSave);
+  EXPECT_EQ(
+      combine_policies(Policy::PreferSave, Policy::PreferRecompute, "op"), Policy::PreferRecompute);
+  EXPECT_EQ(
+      combine_policies(Policy::PreferRecompute, Policy::PreferSave, "op"), Policy::PreferSave);
 }
 
 TEST(Policy, EqualMustsAgree) {
@@ -133,8 +137,7 @@ TEST(BuiltinPolicies, EveryNthUsesTheCallIndex) {
   auto policy = policies::every_nth({{"aten::mm", std::nullopt}}, 3);
   for (int64_t i = 0; i < 9; ++i) {
     EXPECT_EQ(
-        decide(*policy, "aten::mm", "", i),
-        i % 3 == 0 ? Policy::MustSave : Policy::PreferRecompute)
+        decide(*policy, "aten::mm", "", i), i % 3 == 0 ? Policy::MustSave : Policy::PreferRecompute)
         << "call " << i;
   }
   EXPECT_EQ(decide(*policy, "aten::addmm", "", 0), Policy::PreferRecompute);

@@ -73,7 +73,7 @@ TEST(NameScope, PopOutOfOrderRaisesAndKeepsTheStack) {
   const size_t da = push_name(a);
   const size_t db = push_name(b);
   try {
-    pop_name(a, db);  // a is not at b's depth
+    pop_name(a, db); // a is not at b's depth
     FAIL() << "expected an out-of-order error";
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
@@ -84,7 +84,7 @@ TEST(NameScope, PopOutOfOrderRaisesAndKeepsTheStack) {
   pop_name(b, db);
   pop_name(a, da);
   EXPECT_TRUE(active_names().empty());
-  EXPECT_THROW(pop_name(a, da), c10::Error);  // nothing open any more
+  EXPECT_THROW(pop_name(a, da), c10::Error); // nothing open any more
 }
 
 TEST(NameScope, ClosingAnOuterScopeClosesLeakedInnerOnesAndRaises) {
@@ -137,7 +137,7 @@ TEST(SaveByName, SavesOnlyInsideListedScopes) {
   {
     NameScope s("attn_out");
     EXPECT_EQ(decide(*policy), Policy::MustSave);
-    EXPECT_EQ(decide(*policy, "aten::relu"), Policy::MustSave);  // any op in the scope
+    EXPECT_EQ(decide(*policy, "aten::relu"), Policy::MustSave); // any op in the scope
   }
   {
     NameScope s("mlp_out");

@@ -111,8 +111,9 @@ TEST_F(RegionEngine, WritesToOutsideTensorsAreNotRepeated) {
   std::optional<SavedActivation> saved;
   {
     KeyAdapterScope scope(region);
-    auto y = at::batch_norm(x, {}, {}, running_mean, running_var, /*training=*/true,
-                            /*momentum=*/0.1, /*eps=*/1e-5, /*cudnn_enabled=*/false)
+    auto y = at::batch_norm(
+                 x, {}, {}, running_mean, running_var, /*training=*/true,
+                 /*momentum=*/0.1, /*eps=*/1e-5, /*cudnn_enabled=*/false)
                  .tanh();
     expected = y.detach().clone();
     saved.emplace(region->pack(y));
@@ -122,7 +123,8 @@ TEST_F(RegionEngine, WritesToOutsideTensorsAreNotRepeated) {
   EXPECT_FALSE(at::equal(mean_after_forward, at::zeros({3})));
   EXPECT_TRUE(at::equal(unpack(*saved), expected));
   EXPECT_GE(region->stats().replayed_ops, 2);
-  EXPECT_TRUE(at::equal(running_mean, mean_after_forward)) << "replay updated the running mean again";
+  EXPECT_TRUE(at::equal(running_mean, mean_after_forward))
+      << "replay updated the running mean again";
 }
 
 TEST_F(RegionEngine, SecondPassReplaysAsMuchAsTheFirst) {
@@ -134,7 +136,7 @@ TEST_F(RegionEngine, SecondPassReplaysAsMuchAsTheFirst) {
     auto h = x;
     for (int i = 0; i < 6; ++i) {
       h = h.sin();
-      saved.push_back(region->pack(h));  // as SinBackward saves its input
+      saved.push_back(region->pack(h)); // as SinBackward saves its input
     }
   }
   region->close();
@@ -145,14 +147,14 @@ TEST_F(RegionEngine, SecondPassReplaysAsMuchAsTheFirst) {
   };
   backward_pass();
   const int64_t first = region->stats().replayed_ops;
-  backward_pass();  // retain_graph=True: the same activations unpacked again
+  backward_pass(); // retain_graph=True: the same activations unpacked again
   EXPECT_EQ(first, 6);
   EXPECT_EQ(region->stats().replayed_ops - first, first);
 }
 
 TEST_F(RegionEngine, TapeIsFreedWithTheLastDroppedActivation) {
   auto region = make_region(policies::recompute_all());
-  auto outside = at::randn({32});  // no grad: only the tape keeps it for replay
+  auto outside = at::randn({32}); // no grad: only the tape keeps it for replay
   const c10::weak_intrusive_ptr<c10::StorageImpl> outside_storage(
       outside.storage().getWeakStorageImpl());
   std::optional<SavedActivation> saved;
@@ -164,7 +166,7 @@ TEST_F(RegionEngine, TapeIsFreedWithTheLastDroppedActivation) {
   region->close();
   outside.reset();
   EXPECT_FALSE(outside_storage.expired()) << "the tape must hold what replay needs";
-  saved.reset();  // autograd frees the node
+  saved.reset(); // autograd frees the node
   EXPECT_TRUE(outside_storage.expired()) << "the tape outlived the last dropped activation";
   EXPECT_GT(region->stats().dropped_ops, 0) << "stats outlive the tape";
 }

@@ -33,8 +33,9 @@ TEST(ReplayBudget, CutsOfOneSizeFollowTheOptimalReversal) {
 TEST(ReplayBudget, TheTailIsServedFirst) {
   // The 30 free bytes are all needed by the tail: no checkpoint.
   EXPECT_TRUE(choose_checkpoints(uniform_cuts(15, 10), 16, 30, /*tail_bytes=*/30).cuts.empty());
-  EXPECT_EQ(choose_checkpoints(uniform_cuts(15, 10), 16, 40, /*tail_bytes=*/30).cuts,
-            (std::vector<size_t>{10}));
+  EXPECT_EQ(
+      choose_checkpoints(uniform_cuts(15, 10), 16, 40, /*tail_bytes=*/30).cuts,
+      (std::vector<size_t>{10}));
 }
 
 TEST(ReplayBudget, PrefersTheCheapestCutInEachWindow) {

@@ -1,4 +1,4 @@
-#include "memo.h"
+#include "csrc/core/region/memo.h"
 
 #include "csrc/core/tensor_version.h"
 

@@ -13,7 +13,7 @@
 
 #include <optional>
 
-#include "stream_sync.h"
+#include "csrc/core/region/stream_sync.h"
 
 namespace torch_sac::region {
 

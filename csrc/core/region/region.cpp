@@ -1,5 +1,4 @@
-#include "region.h"
-
+#include "csrc/core/region/region.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
@@ -11,11 +10,11 @@
 #include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/op_name.h"
+#include "csrc/core/region/replay_cost.h"
+#include "csrc/core/replay_guard.h"
 #include "csrc/core/tensor_kind.h"
 #include "csrc/core/tensor_version.h"
-#include "csrc/core/replay_guard.h"
 #include "csrc/core/written_args.h"
-#include "replay_cost.h"
 
 namespace torch_sac::region {
 namespace {
@@ -28,15 +27,16 @@ c10::IValue with_current_index(const c10::IValue& v) {
   if (device.has_index() || device.is_cpu() || device.is_meta()) {
     return v;
   }
-  return c10::Device(device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index());
+  return c10::Device(
+      device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index());
 }
 
 // Communication ops: replaying one on a single rank would hang or desync
 // the others.
 bool is_collective(const c10::OperatorHandle& op) {
   const std::string& name = op.operator_name().name;
-  for (const char* ns : {"c10d::", "_c10d_functional::", "_c10d_functional_autograd::",
-                         "_dtensor::"}) {
+  for (const char* ns :
+       {"c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::"}) {
     if (name.rfind(ns, 0) == 0) {
       return true;
     }
@@ -74,7 +74,8 @@ Region::Region(
   TORCH_CHECK_VALUE(
       replay_budget >= 0 || replay_budget == kNoReplayBudget,
       "torch_sac: sac_context's replay_budget must be a number of bytes >= 0 (or None for no "
-      "budget), got ", replay_budget);
+      "budget), got ",
+      replay_budget);
   TORCH_CHECK_VALUE(
       !budget_counts_saved || replay_budget != kNoReplayBudget,
       "torch_sac: a replay budget that counts saved outputs needs a number of bytes");
@@ -258,7 +259,7 @@ void Region::record_args(
         list.push_back(slot_for(t, i, k++));
       }
       entry.args.push_back(std::move(list));
-    } else if (v.isList()) {  // Tensor?[] (index, index_put) and non-tensor lists
+    } else if (v.isList()) { // Tensor?[] (index, index_put) and non-tensor lists
       c10::impl::GenericList list(v.toList().elementType());
       int32_t k = 0;
       for (const c10::IValue& e : v.toListRef()) {
@@ -285,7 +286,7 @@ void Region::preserve_held_before_write(const at::Tensor& t) {
   for (const auto& [e, k] : it->second) {
     if (static_cast<size_t>(e) >= entries_.size() ||
         static_cast<size_t>(k) >= entries_[e].slots.size()) {
-      continue;  // released
+      continue; // released
     }
     ArgSlot& slot = entries_[e].slots[k];
     if (!slot.held.defined() || !slot.held.storage().is_alias_of(t.storage()) ||
@@ -295,9 +296,8 @@ void Region::preserve_held_before_write(const at::Tensor& t) {
     if (!copy.defined()) {
       const ReplayGuard plain_copy;
       const auto nbytes = static_cast<int64_t>(t.storage().nbytes());
-      copy = at::empty({0}, t.options().dtype(at::kByte))
-                 .set_(t.storage(), 0, {nbytes}, {1})
-                 .clone();
+      copy =
+          at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage(), 0, {nbytes}, {1}).clone();
       stats_.held_bytes += nbytes;
     }
     slot.held = TensorGeometry::of(slot.held).view_of(copy.storage());
@@ -314,8 +314,7 @@ void Region::handle(
   // Ops under no_grad inside a region entered with grad on are recorded too:
   // a custom autograd.Function's forward and torch.no_grad() blocks make
   // tensors that backward may save, and that a replay may need.
-  if (!records_ || c10::InferenceMode::is_enabled() ||
-      interception_paused()) {
+  if (!records_ || c10::InferenceMode::is_enabled() || interception_paused()) {
     run(stack);
     return;
   }
@@ -344,8 +343,8 @@ void Region::handle(
   for (size_t i : info.written_args) {
     writes_list = writes_list || inputs[i].isTensorList() || inputs[i].isList();
   }
-  const bool recordable =
-      !info.never_replay && !writes_list && first_unrecordable(inputs) == nullptr;
+  const bool recordable = !info.never_replay && !writes_list &&
+      first_unrecordable(inputs) == nullptr;
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (t.defined() && t.has_storage()) {
@@ -363,7 +362,7 @@ void Region::handle(
   // storage can be replayed; others need no copy.
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
-  std::vector<size_t> written_unreplayable;  // argument positions
+  std::vector<size_t> written_unreplayable; // argument positions
   bool may_replay = recordable && info.makes_new_tensors;
   for (size_t i : info.written_args) {
     if (inputs[i].isTensorList() || inputs[i].isList()) {
@@ -394,7 +393,7 @@ void Region::handle(
     }
   }
   if (may_replay) {
-    const ReplayGuard plain_copy;  // no graph, no modes: the region's own copy
+    const ReplayGuard plain_copy; // no graph, no modes: the region's own copy
     for (size_t i : written_unreplayable) {
       overwritten[i] = inputs[i].toTensor().clone();
     }
@@ -404,8 +403,9 @@ void Region::handle(
       preserve_held_before_write(inputs[i].toTensor());
     }
   }
-  std::optional<RngSnapshot> rng =
-      may_replay && info.draws_random ? RngSnapshot::capture(op, inputs) : std::nullopt;
+  std::optional<RngSnapshot> rng = may_replay && info.draws_random
+      ? RngSnapshot::capture(op, inputs)
+      : std::nullopt;
   const std::string& op_name = info.name;
 
   const auto run_start = Clock::now();
@@ -414,7 +414,7 @@ void Region::handle(
   const auto run_end = Clock::now();
   const size_t num_returns = schema.returns().size();
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
-  const int64_t call_index = ops_[op_index].calls;  // stable: only this thread records
+  const int64_t call_index = ops_[op_index].calls; // stable: only this thread records
   const Policy decision = decide(OpCall{op, inputs, outputs, call_index, adapter_view}, op_name);
   lock.lock();
 
@@ -503,7 +503,8 @@ void Region::handle(
   entries_.push_back(std::move(entry));
   const auto record_end = Clock::now();
   stats_.record_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-      (run_start - record_start) + (record_end - run_end)).count();
+                          (run_start - record_start) + (record_end - run_end))
+                          .count();
 }
 
 namespace {
@@ -534,7 +535,7 @@ SavedActivation Region::pack(const at::Tensor& t) {
 
 std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {
   if (t.defined() && unrecordable_kind(t) != nullptr) {
-    return std::nullopt;  // pack() keeps it without holding the mutex
+    return std::nullopt; // pack() keeps it without holding the mutex
   }
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) {
@@ -586,7 +587,7 @@ bool Region::try_forget(SavedActivation& saved) {
   }
   forget_locked(saved);
   lock.unlock();
-  saved.region.reset();  // forgotten: its destructor has nothing left to do
+  saved.region.reset(); // forgotten: its destructor has nothing left to do
   return true;
 }
 
@@ -636,8 +637,9 @@ std::vector<RegionOpSummary> Region::op_summary() const {
     if (!info.ignored) {
       auto by_call = info.replays_by_call;
       by_call.resize(static_cast<size_t>(info.calls), 0);
-      rows.push_back({info.name, info.saved, info.dropped, info.replayed,
-                      info.saved_bytes, info.dropped_bytes, info.replay_ns, std::move(by_call)});
+      rows.push_back(
+          {info.name, info.saved, info.dropped, info.replayed, info.saved_bytes, info.dropped_bytes,
+           info.replay_ns, std::move(by_call)});
     }
   }
   return rows;

@@ -43,13 +43,13 @@
 #include <vector>
 
 #include "csrc/core/interceptor.h"
-#include "csrc/core/op_policy.h"
-#include "memo.h"
-#include "replay_budget.h"
-#include "replay_schedule.h"
 #include "csrc/core/numerics_state.h"
-#include "rng_snapshot.h"
-#include "tensor_geometry.h"
+#include "csrc/core/op_policy.h"
+#include "csrc/core/region/memo.h"
+#include "csrc/core/region/replay_budget.h"
+#include "csrc/core/region/replay_schedule.h"
+#include "csrc/core/region/rng_snapshot.h"
+#include "csrc/core/region/tensor_geometry.h"
 
 namespace torch_sac::region {
 
@@ -70,7 +70,7 @@ struct SavedActivation {
   // pack time on unpack (autograd skips its own check when hooks are used).
   at::Tensor kept;
   uint32_t version = 0;
-  c10::VariableVersion version_counter;  // of the packed tensor
+  c10::VariableVersion version_counter; // of the packed tensor
   // Dropped: how to rebuild it.
   std::shared_ptr<Region> region;
   int32_t storage = -1;
@@ -90,14 +90,14 @@ struct SavedActivation {
 
 struct RegionStats {
   int64_t policy_calls = 0;
-  int64_t saved_ops = 0;       // ops whose new outputs the policy kept
+  int64_t saved_ops = 0; // ops whose new outputs the policy kept
   int64_t saved_bytes = 0;
-  int64_t dropped_ops = 0;     // ops whose new outputs the policy dropped
+  int64_t dropped_ops = 0; // ops whose new outputs the policy dropped
   int64_t dropped_bytes = 0;
-  int64_t held_bytes = 0;      // copies of overwritten outside tensors
-  int64_t packed_kept = 0;     // saved tensors autograd holds as usual
-  int64_t packed_dropped = 0;  // saved tensors replaced by a reference
-  int64_t unpacked_original = 0;  // references served by the still-live original
+  int64_t held_bytes = 0;        // copies of overwritten outside tensors
+  int64_t packed_kept = 0;       // saved tensors autograd holds as usual
+  int64_t packed_dropped = 0;    // saved tensors replaced by a reference
+  int64_t unpacked_original = 0; // references served by the still-live original
   int64_t replayed_ops = 0;
   int64_t replay_ns = 0;
   // Under a replay budget: the replays' estimated cost (replay_cost.h),
@@ -128,13 +128,13 @@ struct RegionStats {
 
 struct RegionOpSummary {
   std::string op;
-  int64_t saved = 0;      // calls whose new outputs were kept
-  int64_t dropped = 0;    // calls whose new outputs were dropped
-  int64_t replayed = 0;   // replays in backward
+  int64_t saved = 0;    // calls whose new outputs were kept
+  int64_t dropped = 0;  // calls whose new outputs were dropped
+  int64_t replayed = 0; // replays in backward
   int64_t saved_bytes = 0;
   int64_t dropped_bytes = 0;
   int64_t replay_ns = 0;
-  std::vector<int64_t> replays_by_call;  // replays of each forward call, by call index
+  std::vector<int64_t> replays_by_call; // replays of each forward call, by call index
 };
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
@@ -149,9 +149,12 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // torch_sac/_peak_plan.py).
   // `checkpoint_share`: of what is free, the most the spaced heuristic
   // gives to checkpoints (replay_budget.h).
-  Region(std::shared_ptr<OpPolicy> policy, bool allow_cache_entry_mutation,
-         int64_t replay_budget = kNoReplayBudget, bool budget_counts_saved = false,
-         double checkpoint_share = kDefaultCheckpointShare);
+  Region(
+      std::shared_ptr<OpPolicy> policy,
+      bool allow_cache_entry_mutation,
+      int64_t replay_budget = kNoReplayBudget,
+      bool budget_counts_saved = false,
+      double checkpoint_share = kDefaultCheckpointShare);
 
   // OpHandler: records the op (forward only, while open).
   void handle(
@@ -204,7 +207,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // A tensor argument of a replayable entry.
   struct ArgSlot {
     uint32_t arg = 0;
-    int32_t element = -1;  // index in a list argument, -1 for a Tensor argument
+    int32_t element = -1; // index in a list argument, -1 for a Tensor argument
     // Either a tensor the region holds (from outside or from a SAVE op) with
     // its version when used...
     at::Tensor held;
@@ -217,18 +220,18 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   struct Entry {
     c10::OperatorHandle op;
-    int32_t op_index;  // into ops_
-    int64_t call_index = 0;  // among the op's calls in the region
+    int32_t op_index;       // into ops_
+    int64_t call_index = 0; // among the op's calls in the region
     bool replayable = false;
-    std::vector<c10::IValue> args;  // tensors filled in from slots on replay
+    std::vector<c10::IValue> args; // tensors filled in from slots on replay
     std::vector<ArgSlot> slots;
-    std::vector<uint32_t> scratch_args;  // copies of overwritten outside tensors
-    std::vector<std::pair<int32_t, int32_t>> produced;  // (output position, storage)
-    std::vector<int32_t> writes;  // region storages it wrote to
+    std::vector<uint32_t> scratch_args;                // copies of overwritten outside tensors
+    std::vector<std::pair<int32_t, int32_t>> produced; // (output position, storage)
+    std::vector<int32_t> writes;                       // region storages it wrote to
     std::optional<RngSnapshot> rng;
-    NumericsState numerics;  // default dtype etc. when recorded
-    double replay_cost = 0;  // estimated_replay_cost, when a budget weighs it
-    int32_t scope = 0;       // the nested region it was recorded in (scope_parents_)
+    NumericsState numerics; // default dtype etc. when recorded
+    double replay_cost = 0; // estimated_replay_cost, when a budget weighs it
+    int32_t scope = 0;      // the nested region it was recorded in (scope_parents_)
   };
 
   struct StorageRecord {
@@ -236,10 +239,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     c10::weak_intrusive_ptr<c10::StorageImpl> identity;
     c10::VariableVersion version_counter;
     int64_t nbytes = 0;
-    int32_t producer = -1;         // -1: from outside the region
-    int32_t producer_output = 0;   // among the producer's output tensors
-    bool replayable = false;       // produced by a RECOMPUTE op, never tainted
-    std::vector<int32_t> mutations;  // entries that wrote to it, in order
+    int32_t producer = -1;          // -1: from outside the region
+    int32_t producer_output = 0;    // among the producer's output tensors
+    bool replayable = false;        // produced by a RECOMPUTE op, never tainted
+    std::vector<int32_t> mutations; // entries that wrote to it, in order
     // Last version seen, and whether a recorded write came after it: its
     // version bump happens above the interceptor, after the op returns (and
     // not at all for BatchNorm's running statistics), so the next sighting
@@ -250,7 +253,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     // unpacked in this backward pass.
     int32_t live_refs = 0;
     int32_t pending_unpacks = 0;
-    Memo memo;                       // a rebuilt copy
+    Memo memo; // a rebuilt copy
     // Scopes other than the producer's whose entries read it (nested
     // regions only): a rebuild keeps it for those scopes' backward.
     std::vector<int32_t> reader_scopes;
@@ -259,10 +262,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   struct OpInfo {
     std::string name;
     bool ignored = false;
-    std::vector<size_t> written_args;  // schema arguments marked (a!)
-    bool makes_new_tensors = false;    // some return is not an alias
-    bool draws_random = false;         // RngSnapshot::draws_random
-    bool never_replay = false;         // collectives
+    std::vector<size_t> written_args; // schema arguments marked (a!)
+    bool makes_new_tensors = false;   // some return is not an alias
+    bool draws_random = false;        // RngSnapshot::draws_random
+    bool never_replay = false;        // collectives
     int64_t calls = 0;
     int64_t saved = 0;
     int64_t dropped = 0;
@@ -271,9 +274,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     int64_t dropped_bytes = 0;
     int64_t replay_ns = 0;
     std::vector<int64_t> replays_by_call;
-    std::vector<int64_t> saved_calls;  // call indices whose new outputs were kept
+    std::vector<int64_t> saved_calls; // call indices whose new outputs were kept
   };
-
 
   // A rebuilt tensor's key by index into ops_ (op names are made when
   // asked for: a big model rebuilds thousands of tensors).
@@ -295,8 +297,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   int32_t find_storage(const at::Tensor& t) const;
   int32_t track_storage(const at::Tensor& t, int32_t producer, int32_t output, bool replayable);
   void observe(int32_t storage, const at::Tensor& t);
-  void record_args(Entry& entry, c10::ArrayRef<c10::IValue> inputs,
-                   const std::vector<c10::IValue>& overwritten);
+  void record_args(
+      Entry& entry,
+      c10::ArrayRef<c10::IValue> inputs,
+      const std::vector<c10::IValue>& overwritten);
   // `t` is about to be written by a recorded op: held arguments of earlier
   // entries that read its storage get a copy of the value they read.
   void preserve_held_before_write(const at::Tensor& t);
@@ -308,8 +312,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // last use in that replay, as the forward did: peak memory stays that of
   // re-running the forward of the needed ops, and each entry runs once.
   struct ReplayPlan {
-    std::vector<int32_t> entries;                  // sorted before running
-    std::unordered_map<int32_t, int32_t> states;   // storage -> state to rebuild
+    std::vector<int32_t> entries;                // sorted before running
+    std::unordered_map<int32_t, int32_t> states; // storage -> state to rebuild
     // Storages a memo covers (pinned for the replay), with their state.
     std::unordered_map<int32_t, std::pair<c10::Storage, int32_t>> memos;
   };
@@ -330,7 +334,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // budget's choice (replay_budget.h), or all of them (nullopt). Counts the
   // rebuild and records it in executed_.
   std::optional<std::unordered_set<int32_t>> memos_allowed(
-      const ReplayPlan& plan, int32_t target, int32_t scope);
+      const ReplayPlan& plan,
+      int32_t target,
+      int32_t scope);
   // Nested regions drop their own tensors again, as nested checkpoints do:
   // a rebuild for a tensor saved in scope T keeps a candidate only if it was
   // made or read in T or a scope enclosing T. The others (a nested region's
@@ -339,16 +345,20 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   bool nesting_allows(int32_t candidate, int32_t scope) const;
   bool encloses(int32_t outer, int32_t inner) const;
   std::unordered_set<int32_t> memos_within_budget(
-      const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates);
+      const ReplayPlan& plan,
+      int32_t target,
+      const std::vector<int32_t>& candidates);
   std::unordered_set<int32_t> memos_scheduled(
-      int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const;
+      int32_t target,
+      const std::vector<int32_t>& candidates,
+      size_t rebuild) const;
   ExecutedKey executed_key_of(int32_t storage) const;
   // Storages by the key a schedule names them with (op name, call index,
   // output): a recorded schedule of a large model names thousands per step.
   class StoragesByKey {
    public:
     StoragesByKey(const Region& region, const std::vector<int32_t>& storages);
-    int32_t find(const TensorKey& key) const;  // -1: not among them
+    int32_t find(const TensorKey& key) const; // -1: not among them
 
    private:
     std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key_;
@@ -379,7 +389,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void release_unneeded_entries();
 
   mutable std::mutex mutex_;
-  std::vector<std::shared_ptr<OpPolicy>> policies_;  // outermost first
+  std::vector<std::shared_ptr<OpPolicy>> policies_; // outermost first
   // Nested regions entered so far, by id (0: this region): each one's
   // enclosing scope (-1 for 0), and the one recording now.
   std::vector<int32_t> scope_parents_{-1};
@@ -397,17 +407,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::unordered_map<const c10::StorageImpl*, int32_t> storage_index_;
   // Held arguments by the storage they hold: (entry, slot). The held alias
   // keeps the storage alive, so the address is not reused while listed.
-  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int32_t, int32_t>>>
-      held_slots_;
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int32_t, int32_t>>> held_slots_;
   std::vector<OpInfo> ops_;
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
   std::vector<int32_t> memoised_;
-  int64_t live_dropped_ = 0;  // SavedActivations referring to this region
-  int64_t pass_ = 0;          // backward passes through the region, from 0
-  std::map<int32_t, int32_t> live_horizons_;  // horizon -> live dropped activations
-  size_t released_from_ = SIZE_MAX;  // entries from here on are released
+  int64_t live_dropped_ = 0;                 // SavedActivations referring to this region
+  int64_t pass_ = 0;                         // backward passes through the region, from 0
+  std::map<int32_t, int32_t> live_horizons_; // horizon -> live dropped activations
+  size_t released_from_ = SIZE_MAX;          // entries from here on are released
   std::optional<ReplaySchedule> schedule_;
-  std::vector<ExecutedStep> executed_;  // this backward pass's rebuilds
+  std::vector<ExecutedStep> executed_; // this backward pass's rebuilds
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
   RegionStats stats_;

@@ -14,10 +14,10 @@
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
-#include "csrc/core/tensor_version.h"
-#include "region.h"
-#include "replay_budget.h"
+#include "csrc/core/region/region.h"
+#include "csrc/core/region/replay_budget.h"
 #include "csrc/core/replay_guard.h"
+#include "csrc/core/tensor_version.h"
 
 namespace torch_sac::region {
 namespace {
@@ -39,8 +39,8 @@ at::Tensor unpack(const SavedActivation& saved) {
     TORCH_CHECK(
         now == saved.version,
         "one of the variables needed for gradient computation has been "
-        "modified by an inplace operation: ", describe(saved.kept),
-        " is at version ", now, "; expected version ", saved.version,
+        "modified by an inplace operation: ",
+        describe(saved.kept), " is at version ", now, "; expected version ", saved.version,
         " instead. (torch_sac: the tensor was saved for backward inside a "
         "sac_context region.) Hint: enable anomaly detection with "
         "torch.autograd.set_detect_anomaly(True) to find the operation that "
@@ -60,8 +60,9 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   TORCH_CHECK(
       now == saved.version,
       "one of the variables needed for gradient computation has been modified "
-      "by an inplace operation: a tensor of shape ", c10::IntArrayRef(saved.geometry.sizes),
-      " is at version ", now, "; expected version ", saved.version,
+      "by an inplace operation: a tensor of shape ",
+      c10::IntArrayRef(saved.geometry.sizes), " is at version ", now, "; expected version ",
+      saved.version,
       " instead. (torch_sac: it was saved for backward inside a sac_context "
       "region and dropped by the policy.) Hint: enable anomaly detection with "
       "torch.autograd.set_detect_anomaly(True) to find the operation that "
@@ -69,7 +70,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   const int task = torch::autograd::get_current_graph_task_id();
   const bool same_backward = task >= 0 && task == saved.unpacked_task;
   if (saved.unpacked_pass == pass_ && !same_backward) {
-    start_new_pass();  // backward runs again (retain_graph=True)
+    start_new_pass(); // backward runs again (retain_graph=True)
   }
   if (saved.unpacked_pass != pass_) {
     saved.unpacked_pass = pass_;
@@ -86,8 +87,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   // The storage itself may still be alive (another region, or the user,
   // kept a different tensor of it) and unchanged since it was saved.
   if (c10::Storage alive(record.identity.lock()); alive &&
-      record.mutations.size() == static_cast<size_t>(saved.state) &&
-      saved.geometry.fits(alive)) {
+      record.mutations.size() == static_cast<size_t>(saved.state) && saved.geometry.fits(alive)) {
     ++stats_.unpacked_original;
     return saved.geometry.view_of(alive);
   }
@@ -128,7 +128,7 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   struct Need {
     int32_t storage;
     int32_t state;
-    bool written;  // the entry writes to it: never hand it a memo
+    bool written; // the entry writes to it: never hand it a memo
   };
   std::vector<Need> needed{{storage, state, false}};
   auto add_entry = [&](int32_t e) {
@@ -137,8 +137,8 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
       const Entry& entry = entries_[e];
       for (const ArgSlot& slot : entry.slots) {
         if (slot.storage >= 0) {
-          const bool written = std::find(entry.writes.begin(), entry.writes.end(),
-                                         slot.storage) != entry.writes.end();
+          const bool written = std::find(entry.writes.begin(), entry.writes.end(), slot.storage) !=
+              entry.writes.end();
           needed.push_back({slot.storage, slot.state, written});
         }
       }
@@ -288,8 +288,8 @@ void Region::release_after_rebuild(int32_t target) {
     for (const TensorKey& key : (*schedule_)[rebuild].release) {
       const int32_t found = by_key.find(key);
       TORCH_CHECK_VALUE(
-          found >= 0,
-          "torch_sac: replay schedule rebuild #", rebuild, " releases ", describe_key(key),
+          found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " releases ",
+          describe_key(key),
           ", which the region does not hold at that point (never kept, or already unpacked "
           "for the last time).");
       released.push_back(found);
@@ -345,12 +345,15 @@ bool Region::nesting_allows(int32_t candidate, int32_t scope) const {
   if (encloses(entries_[record.producer].scope, scope)) {
     return true;
   }
-  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(),
-                     [&](int32_t reader) { return encloses(reader, scope); });
+  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(), [&](int32_t reader) {
+    return encloses(reader, scope);
+  });
 }
 
 std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
-    const ReplayPlan& plan, int32_t target, int32_t scope) {
+    const ReplayPlan& plan,
+    int32_t target,
+    int32_t scope) {
   std::vector<int32_t> candidates = memo_candidates(plan, target);
   const size_t rebuild = executed_.size();
   std::optional<std::unordered_set<int32_t>> allowed;
@@ -371,7 +374,8 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
     const auto start = std::chrono::steady_clock::now();
     allowed = memos_within_budget(plan, target, candidates);
     stats_.budget_choice_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now() - start).count();
+                                   std::chrono::steady_clock::now() - start)
+                                   .count();
   }
   ExecutedStep step{executed_key_of(target), {}, {}};
   for (int32_t s : candidates) {
@@ -420,19 +424,23 @@ std::string Region::describe_key(const TensorKey& key) const {
 }
 
 std::unordered_set<int32_t> Region::memos_scheduled(
-    int32_t target, const std::vector<int32_t>& candidates, size_t rebuild) const {
+    int32_t target,
+    const std::vector<int32_t>& candidates,
+    size_t rebuild) const {
   TORCH_CHECK_VALUE(
-      rebuild < schedule_->size(),
-      "torch_sac: the replay schedule has ", schedule_->size(), " rebuilds, but backward needs "
-      "another one, to rebuild ", describe_key(key_of(target)), ". The schedule was made for "
+      rebuild < schedule_->size(), "torch_sac: the replay schedule has ", schedule_->size(),
+      " rebuilds, but backward needs "
+      "another one, to rebuild ",
+      describe_key(key_of(target)),
+      ". The schedule was made for "
       "another program, other inputs or another policy: record it again "
       "(region.replay_schedule()) from a run of this one.");
   const RebuildStep& step = (*schedule_)[rebuild];
   const TensorKey unpacked = key_of(target);
   TORCH_CHECK_VALUE(
-      step.unpacked == unpacked,
-      "torch_sac: replay schedule rebuild #", rebuild, " is for ", describe_key(step.unpacked),
-      ", but backward unpacked ", describe_key(unpacked), " there. The schedule was made for "
+      step.unpacked == unpacked, "torch_sac: replay schedule rebuild #", rebuild, " is for ",
+      describe_key(step.unpacked), ", but backward unpacked ", describe_key(unpacked),
+      " there. The schedule was made for "
       "another program, other inputs or another policy, or it keeps tensors a different "
       "schedule keeps; or backward runs in another order or in several passes than the "
       "recorded run (a schedule covers one pass, the last one the region ran; a second "
@@ -443,9 +451,9 @@ std::unordered_set<int32_t> Region::memos_scheduled(
   for (const TensorKey& key : step.keep) {
     const int32_t found = by_key.find(key);
     TORCH_CHECK_VALUE(
-        found >= 0,
-        "torch_sac: replay schedule rebuild #", rebuild, " (for ", describe_key(unpacked),
-        ") keeps ", describe_key(key), ", which this rebuild does not make, or which "
+        found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " (for ",
+        describe_key(unpacked), ") keeps ", describe_key(key),
+        ", which this rebuild does not make, or which "
         "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
         "on its way that backward still needs.");
     allowed.insert(found);
@@ -454,7 +462,9 @@ std::unordered_set<int32_t> Region::memos_scheduled(
 }
 
 std::unordered_set<int32_t> Region::memos_within_budget(
-    const ReplayPlan& plan, int32_t target, const std::vector<int32_t>& candidates) {
+    const ReplayPlan& plan,
+    int32_t target,
+    const std::vector<int32_t>& candidates) {
   const std::unordered_set<int32_t> is_candidate(candidates.begin(), candidates.end());
   const auto m = static_cast<int32_t>(plan.entries.size());
   // Where each storage the plan rebuilds is made and last read in it.
@@ -517,8 +527,8 @@ std::unordered_set<int32_t> Region::memos_within_budget(
       tail_bytes += storages_[s].nbytes;
     }
   }
-  const CheckpointChoice choice =
-      choose_checkpoints(cuts, cost, free_bytes, tail_bytes, checkpoint_share_);
+  const CheckpointChoice choice = choose_checkpoints(
+      cuts, cost, free_bytes, tail_bytes, checkpoint_share_);
   stats_.spaced_choices += choice.spaced ? 1 : 0;
   const std::vector<size_t>& chosen = choice.cuts;
   if (!chosen.empty()) {
@@ -638,15 +648,14 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
   const std::string& op = ops_[consumer.op_index].name;
   const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
   const TensorGeometry geometry = TensorGeometry::of(slot.held);
-  if (!geometry.fits(slot.held.storage()) && restorer_.restore &&
-      restorer_.restore(slot.held)) {
+  if (!geometry.fits(slot.held.storage()) && restorer_.restore && restorer_.restore(slot.held)) {
     restored_in_replay_ = true;
   }
   TORCH_CHECK(
-      geometry.fits(slot.held.storage()),
-      "torch_sac: replaying ", op, " in backward needs its argument '", arg, "', ",
-      describe(slot.held), ", which was kept from forward, but its storage now holds ",
-      slot.held.storage().nbytes(), " bytes where the op read ", geometry.nbytes(),
+      geometry.fits(slot.held.storage()), "torch_sac: replaying ", op,
+      " in backward needs its argument '", arg, "', ", describe(slot.held),
+      ", which was kept from forward, but its storage now holds ", slot.held.storage().nbytes(),
+      " bytes where the op read ", geometry.nbytes(),
       ": it was freed or resized after forward (FSDP2 with reshard_after_forward=True "
       "frees unsharded parameters this way). Put the region inside the module that owns "
       "the tensor (one sac_context per fully_shard-ed module), keep the tensor allocated "
@@ -662,16 +671,15 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
   TORCH_CHECK(
       false,
       "one of the variables needed for gradient computation has been modified "
-      "by an inplace operation: ", describe(slot.held), " is at version ", now,
-      "; expected version ", slot.version, " instead. (torch_sac: replaying ",
-      op, " needs its argument '", arg, "', ",
-      from_region
-          ? "an output the policy saved, which was modified in place after "
-            "the op used it. Make the policy recompute the op that made it, "
-            "or pass allow_cache_entry_mutation=True if the new value is "
-            "intended.)"
-          : "a tensor from outside the sac_context region, which was modified "
-            "in place after the region used it.)");
+      "by an inplace operation: ",
+      describe(slot.held), " is at version ", now, "; expected version ", slot.version,
+      " instead. (torch_sac: replaying ", op, " needs its argument '", arg, "', ",
+      from_region ? "an output the policy saved, which was modified in place after "
+                    "the op used it. Make the policy recompute the op that made it, "
+                    "or pass allow_cache_entry_mutation=True if the new value is "
+                    "intended.)"
+                  : "a tensor from outside the sac_context region, which was modified "
+                    "in place after the region used it.)");
 }
 
 torch::jit::Stack Region::replay_entry(
@@ -720,7 +728,8 @@ torch::jit::Stack Region::replay_entry(
     }
   }
   const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
-      std::chrono::steady_clock::now() - start).count();
+                              std::chrono::steady_clock::now() - start)
+                              .count();
   stats_.replay_ns += elapsed;
   ++stats_.replayed_ops;
   stats_.replayed_cost += static_cast<int64_t>(entry.replay_cost);

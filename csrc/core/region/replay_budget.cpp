@@ -1,4 +1,4 @@
-#include "replay_budget.h"
+#include "csrc/core/region/replay_budget.h"
 
 #include <algorithm>
 #include <mutex>
@@ -13,7 +13,9 @@ constexpr size_t kMaxCheckpoints = 1024;
 // The cheapest cut in each of k windows of equal cost; their indices and
 // total bytes.
 std::pair<std::vector<size_t>, int64_t> spaced(
-    const std::vector<ReplayCut>& cuts, double total_cost, size_t k) {
+    const std::vector<ReplayCut>& cuts,
+    double total_cost,
+    size_t k) {
   std::vector<size_t> picked;
   int64_t bytes = 0;
   const double width = total_cost / static_cast<double>(k + 1);
@@ -81,8 +83,8 @@ class ReversalTable {
   }
 
   std::mutex mutex_;
-  std::vector<std::vector<int64_t>> cost_;   // [slots][length]
-  std::vector<std::vector<size_t>> choice_;  // [slots][length]
+  std::vector<std::vector<int64_t>> cost_;  // [slots][length]
+  std::vector<std::vector<size_t>> choice_; // [slots][length]
 };
 
 // Chains longer than this (in cuts) use the spaced heuristic: the table is
@@ -95,7 +97,7 @@ constexpr size_t kMaxOptimalSteps = 512;
 std::vector<size_t> optimal_first_sweep(size_t cuts, size_t slots) {
   static ReversalTable table;
   std::vector<size_t> picked;
-  size_t base = 0;                // steps: cut k ends step k + 1; the target ends step cuts + 1
+  size_t base = 0; // steps: cut k ends step k + 1; the target ends step cuts + 1
   size_t length = cuts + 1;
   while (slots >= 2 && length > 1) {
     if (slots >= length) {
@@ -116,7 +118,6 @@ std::vector<size_t> optimal_first_sweep(size_t cuts, size_t slots) {
   return picked;
 }
 
-
 // The cuts that hold something (a cut crossing only the tensor being handed
 // over costs nothing and is no checkpoint), when they are of one size
 // (within 1/8): a chain of equal steps, a transformer's residual stream.
@@ -132,8 +133,7 @@ std::vector<size_t> cuts_of_one_size(const std::vector<ReplayCut>& cuts) {
       holding.push_back(i);
     }
   }
-  if (holding.empty() || holding.size() >= kMaxOptimalSteps ||
-      largest - smallest > smallest / 8) {
+  if (holding.empty() || holding.size() >= kMaxOptimalSteps || largest - smallest > smallest / 8) {
     return {};
   }
   return holding;
@@ -142,8 +142,11 @@ std::vector<size_t> cuts_of_one_size(const std::vector<ReplayCut>& cuts) {
 } // namespace
 
 CheckpointChoice choose_checkpoints(
-    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
-    int64_t tail_bytes, double checkpoint_share) {
+    const std::vector<ReplayCut>& cuts,
+    double total_cost,
+    int64_t free_bytes,
+    int64_t tail_bytes,
+    double checkpoint_share) {
   if (cuts.empty() || total_cost <= 0 || free_bytes <= 0) {
     return {};
   }
@@ -168,8 +171,9 @@ CheckpointChoice choose_checkpoints(
   // search: more windows pick more bytes, up to ties).
   const auto allowance = static_cast<int64_t>(static_cast<double>(free_bytes) * checkpoint_share);
   CheckpointChoice choice;
-  choice.spaced = std::any_of(
-      cuts.begin(), cuts.end(), [](const ReplayCut& cut) { return cut.bytes > 0; });
+  choice.spaced = std::any_of(cuts.begin(), cuts.end(), [](const ReplayCut& cut) {
+    return cut.bytes > 0;
+  });
   std::vector<size_t>& best = choice.cuts;
   size_t low = 1;
   size_t high = std::min(cuts.size(), kMaxCheckpoints);

@@ -41,7 +41,7 @@ constexpr double kDefaultCheckpointShare = 0.5;
 // A point of the replay between two ops where keeping `bytes` (the rebuilt
 // tensors produced before it and read after it) lets later replays start.
 struct ReplayCut {
-  double cost = 0;  // replay cost up to the cut (replay_cost.h's estimate)
+  double cost = 0; // replay cost up to the cut (replay_cost.h's estimate)
   int64_t bytes = 0;
 };
 
@@ -66,7 +66,10 @@ struct CheckpointChoice {
 //    leaves less for the blocks autograd needs next (a peak plan tries
 //    several, _peak_plan.py).
 CheckpointChoice choose_checkpoints(
-    const std::vector<ReplayCut>& cuts, double total_cost, int64_t free_bytes,
-    int64_t tail_bytes = 0, double checkpoint_share = kDefaultCheckpointShare);
+    const std::vector<ReplayCut>& cuts,
+    double total_cost,
+    int64_t free_bytes,
+    int64_t tail_bytes = 0,
+    double checkpoint_share = kDefaultCheckpointShare);
 
 } // namespace torch_sac::region

@@ -1,4 +1,4 @@
-#include "replay_cost.h"
+#include "csrc/core/region/replay_cost.h"
 
 #include "csrc/core/flop_count.h"
 #include "csrc/core/ivalue_tensors.h"

@@ -22,7 +22,7 @@ namespace torch_sac::region {
 // its storage (op overload and call index within the region, as policies
 // see them) and which of that op's tensor outputs it is.
 struct TensorKey {
-  std::string op;  // "aten::mm.default"
+  std::string op; // "aten::mm.default"
   int64_t call_index = 0;
   int32_t output = 0;
   bool operator==(const TensorKey& other) const {

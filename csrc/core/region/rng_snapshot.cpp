@@ -1,4 +1,4 @@
-#include "rng_snapshot.h"
+#include "csrc/core/region/rng_snapshot.h"
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>

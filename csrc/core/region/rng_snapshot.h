@@ -33,9 +33,9 @@ class RngSnapshot {
   void replay(torch::jit::Stack& args, c10::function_ref<void()> run) const;
 
  private:
-  std::optional<size_t> generator_arg_;  // index of the op's Generator? argument
-  at::Generator state_;                  // a clone holding the state to replay
-  at::Generator default_generator_;      // set when state_ is the default's
+  std::optional<size_t> generator_arg_; // index of the op's Generator? argument
+  at::Generator state_;                 // a clone holding the state to replay
+  at::Generator default_generator_;     // set when state_ is the default's
 };
 
 } // namespace torch_sac::region

@@ -1,4 +1,4 @@
-#include "stream_sync.h"
+#include "csrc/core/region/stream_sync.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>

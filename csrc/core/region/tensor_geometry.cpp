@@ -1,4 +1,4 @@
-#include "tensor_geometry.h"
+#include "csrc/core/region/tensor_geometry.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
@@ -12,10 +12,8 @@ TensorGeometry TensorGeometry::of(const at::Tensor& t) {
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot});
   return TensorGeometry{
       c10::SmallVector<int64_t, 5>(t.sizes().begin(), t.sizes().end()),
-      c10::SmallVector<int64_t, 5>(t.strides().begin(), t.strides().end()),
-      t.storage_offset(),
-      t.key_set() - drop,
-      t.dtype()};
+      c10::SmallVector<int64_t, 5>(t.strides().begin(), t.strides().end()), t.storage_offset(),
+      t.key_set() - drop, t.dtype()};
 }
 
 namespace {
@@ -41,9 +39,11 @@ at::Tensor TensorGeometry::view_of(const c10::Storage& storage) const {
   // Replay can make a smaller storage than forward did (a data-dependent
   // shape, nonzero after different inputs): never view past its end.
   TORCH_CHECK(
-      fits(storage),
-      "torch_sac: a replayed op rebuilt a tensor of ", storage.nbytes(), " bytes where forward "
-      "made at least ", bytes_needed(*this), " (shape ", c10::IntArrayRef(sizes), "): replay "
+      fits(storage), "torch_sac: a replayed op rebuilt a tensor of ", storage.nbytes(),
+      " bytes where forward "
+      "made at least ",
+      bytes_needed(*this), " (shape ", c10::IntArrayRef(sizes),
+      "): replay "
       "is not deterministic here (data-dependent shapes after inputs changed, or different "
       "global state). Make the policy save the op that makes this tensor.");
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), key_set, dtype);

@@ -14,7 +14,7 @@ struct TensorGeometry {
   c10::SmallVector<int64_t, 5> sizes;
   c10::SmallVector<int64_t, 5> strides;
   int64_t storage_offset = 0;
-  c10::DispatchKeySet key_set;  // backend, dtype-independent bits (conj/neg)
+  c10::DispatchKeySet key_set; // backend, dtype-independent bits (conj/neg)
   caffe2::TypeMeta dtype;
 
   static TensorGeometry of(const at::Tensor& t);

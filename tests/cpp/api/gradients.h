@@ -28,7 +28,9 @@ inline std::vector<at::Tensor> step_gradients(
   return grads;
 }
 
-inline void expect_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+inline void expect_bitwise_equal(
+    const std::vector<at::Tensor>& a,
+    const std::vector<at::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_TRUE(at::equal(a[i], b[i])) << "gradient " << i << " differs";

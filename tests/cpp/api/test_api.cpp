@@ -5,8 +5,6 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <torch_sac/torch_sac.h>
-
 #include <algorithm>
 #include <functional>
 #include <optional>
@@ -17,6 +15,7 @@
 
 #include "csrc/core/interceptor.h"
 #include "tests/cpp/api/gradients.h"
+#include "torch_sac/torch_sac.h"
 
 namespace torch_sac {
 namespace {
@@ -45,14 +44,19 @@ at::Tensor block(const Params& p, const at::Tensor& x) {
   return x + scores * x.tanh();
 }
 
-std::vector<at::Tensor> gradients(const Params& p, const std::function<at::Tensor(const at::Tensor&)>& forward) {
+std::vector<at::Tensor> gradients(
+    const Params& p,
+    const std::function<at::Tensor(const at::Tensor&)>& forward) {
   return testing::step_gradients({8, 32}, p.all(), forward);
 }
 
 using testing::expect_bitwise_equal;
 
 // `op` as the region names it: "aten::mm.default".
-int64_t count_op(const std::vector<RegionOpSummary>& details, const std::string& op, int64_t RegionOpSummary::*field) {
+int64_t count_op(
+    const std::vector<RegionOpSummary>& details,
+    const std::string& op,
+    int64_t RegionOpSummary::* field) {
   for (const auto& d : details) {
     if (d.op == op) {
       return d.*field;
@@ -132,10 +136,11 @@ TEST(CppApiPolicies, OpPatternsParseLikePythonOpOverloads) {
 TEST_F(CppApi, EveryNthSavesByCallIndex) {
   const auto expected = reference();
   RegionHandle handle;
-  expect_bitwise_equal(with_region(policies::every_nth({policies::op("aten::mm")}, 2), &handle), expected);
+  expect_bitwise_equal(
+      with_region(policies::every_nth({policies::op("aten::mm")}, 2), &handle), expected);
   const auto details = handle.op_details();
-  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::saved), 1);  // call 0
-  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::dropped), 1);  // call 1
+  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::saved), 1);   // call 0
+  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::dropped), 1); // call 1
 }
 
 TEST_F(CppApi, SaveByNameKeepsOpsInsideTheNamedScope) {
@@ -179,7 +184,8 @@ TEST_F(CppApi, CallablePolicySeesEachOpOnceWithItsOutputs) {
   auto policy = policies::from_callable([&](const OpCall& call) {
     seen.push_back(call.op.operator_name().name);
     with_outputs += call.outputs.empty() ? 0 : 1;
-    return call.op.operator_name().name == "aten::softmax" || call.op.operator_name().name == "aten::_softmax"
+    return call.op.operator_name().name == "aten::softmax" ||
+            call.op.operator_name().name == "aten::_softmax"
         ? Policy::MustSave
         : Policy::PreferRecompute;
   });
@@ -217,7 +223,8 @@ TEST_F(CppApi, LambdasAreAcceptedWhereverAPolicyIs) {
   const auto got = gradients(params, [&](const at::Tensor& x) {
     SacContext region(save_mm);
     handle = region.handle();
-    return torch_sac::checkpoint([&](const at::Tensor& in) { return block(params, in); }, x, save_mm);
+    return torch_sac::checkpoint(
+        [&](const at::Tensor& in) { return block(params, in); }, x, save_mm);
   });
   expect_bitwise_equal(got, expected);
   EXPECT_EQ(count_op(handle.op_details(), "aten::mm.default", &RegionOpSummary::saved), 2);
@@ -235,8 +242,9 @@ TEST_F(CppApi, CheckpointTakesAListOfInputs) {
 }
 
 TEST_F(CppApi, NestedContextsStackPoliciesOnTheOuterRegion) {
-  const auto expected =
-      gradients(params, [&](const at::Tensor& x) { return block(params, x).sin(); });
+  const auto expected = gradients(params, [&](const at::Tensor& x) {
+    return block(params, x).sin();
+  });
   RegionHandle outer_handle;
   bool inner_nested = false;
   const auto got = gradients(params, [&](const at::Tensor& x) {
@@ -278,7 +286,9 @@ struct TanhChain {
   // The weights' gradients of sum(x_n), in one region with `policy` and
   // `options` (none: plain autograd); `handle` gets the region.
   std::vector<at::Tensor> grads(
-      PolicyPtr policy = nullptr, const SacOptions& options = {}, RegionHandle* handle = nullptr) {
+      PolicyPtr policy = nullptr,
+      const SacOptions& options = {},
+      RegionHandle* handle = nullptr) {
     std::optional<SacContext> region;
     if (policy) {
       region.emplace(std::move(policy), options);
@@ -400,7 +410,8 @@ TEST_F(CppApi, PolicyThatThrowsLeavesNothingInstalled) {
     (void)x.sin();
     FAIL() << "the policy's exception must propagate";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("policy refuses aten::sin"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("policy refuses aten::sin"), std::string::npos)
+        << e.what();
   }
   EXPECT_FALSE(in_sac_context());
   EXPECT_EQ(key_handler_depth(), 0u);
@@ -412,7 +423,7 @@ TEST_F(CppApi, OutOfOrderExitRaisesAndExitsBoth) {
   EXPECT_THROW(outer->exit(), c10::Error);
   EXPECT_FALSE(in_sac_context());
   EXPECT_EQ(key_handler_depth(), 0u);
-  inner.reset();  // already exited with the outer one: nothing to do, no warning
+  inner.reset(); // already exited with the outer one: nothing to do, no warning
   outer.reset();
 }
 
@@ -507,7 +518,8 @@ TEST_F(CppApi, RecomputeAllLowersActivationMemory) {
     SacContext region(policies::recompute_all());
     return block(params, x);
   });
-  EXPECT_LT(checkpointed, plain / 2) << "plain " << plain << " bytes, checkpointed " << checkpointed;
+  EXPECT_LT(checkpointed, plain / 2)
+      << "plain " << plain << " bytes, checkpointed " << checkpointed;
 }
 
 TEST(CppApiErrors, NullPolicyIsRejected) {
@@ -517,8 +529,12 @@ TEST(CppApiErrors, NullPolicyIsRejected) {
 }
 
 TEST(CppApiVersion, VersionMacros) {
-  EXPECT_STREQ(TORCH_SAC_VERSION, "0.1.0");
-  EXPECT_EQ(TORCH_SAC_VERSION_MAJOR, 0);
+  // TORCH_SAC_VERSION is pyproject.toml's version (tests/python/test_c_stub.py
+  // checks that); the numeric macros are its leading X.Y.Z.
+  const std::string numeric = std::to_string(TORCH_SAC_VERSION_MAJOR) + "." +
+      std::to_string(TORCH_SAC_VERSION_MINOR) + "." + std::to_string(TORCH_SAC_VERSION_PATCH);
+  EXPECT_EQ(std::string(TORCH_SAC_VERSION).rfind(numeric, 0), 0u)
+      << TORCH_SAC_VERSION << " does not start with " << numeric;
 }
 
 } // namespace

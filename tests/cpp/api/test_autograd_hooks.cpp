@@ -5,9 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/engine.h>
 
-#include <torch_sac/torch_sac.h>
-
 #include "csrc/api/autograd_hooks.h"
+#include "torch_sac/torch_sac.h"
 
 namespace torch_sac {
 namespace {
@@ -15,8 +14,7 @@ namespace {
 TEST(AutogradHooks, InstalledAtLoadAsTheDefaultEngine) {
   EXPECT_TRUE(api::region_autograd_hooks_installed());
   EXPECT_NE(
-      &torch::autograd::Engine::get_default_engine(),
-      &torch::autograd::Engine::get_base_engine());
+      &torch::autograd::Engine::get_default_engine(), &torch::autograd::Engine::get_base_engine());
 }
 
 TEST(AutogradHooks, SavedTensorsAreDroppedAndReplayed) {
@@ -39,7 +37,8 @@ TEST(AutogradHooks, SavedTensorsAreDroppedAndReplayed) {
 }
 
 TEST(AutogradHooks, NoHooksOutsideARegion) {
-  EXPECT_EQ(torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks(), nullptr);
+  EXPECT_EQ(
+      torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks(), nullptr);
 }
 
 // Another engine as the default (PythonEngine in a Python process): a region

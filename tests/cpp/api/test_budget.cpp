@@ -9,10 +9,6 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/engine.h>
 
-#include <torch_sac/torch_sac.h>
-
-#include "tests/cpp/api/gradients.h"
-
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -23,6 +19,8 @@
 #include <vector>
 
 #include "csrc/core/interceptor.h"
+#include "tests/cpp/api/gradients.h"
+#include "torch_sac/torch_sac.h"
 
 namespace torch_sac {
 namespace {
@@ -71,13 +69,18 @@ at::Tensor attention_block(const Weights& w, const at::Tensor& x) {
   return y + at::linear(m, w.w2);
 }
 
-std::vector<at::Tensor> gradients(const Weights& w, const std::function<at::Tensor(const at::Tensor&)>& forward) {
+std::vector<at::Tensor> gradients(
+    const Weights& w,
+    const std::function<at::Tensor(const at::Tensor&)>& forward) {
   return testing::step_gradients({B, T, C}, w.all(), forward);
 }
 
 using testing::expect_bitwise_equal;
 
-const PlannedCall* find_call(const BudgetPlan& plan, const std::string& op, int64_t call_index = 0) {
+const PlannedCall* find_call(
+    const BudgetPlan& plan,
+    const std::string& op,
+    int64_t call_index = 0) {
   for (const PlannedCall& call : plan.calls) {
     if (call.op.name == op && call.call_index == call_index) {
       return &call;
@@ -90,7 +93,8 @@ void expect_nothing_installed() {
   EXPECT_EQ(key_handler_depth(), 0u);
   EXPECT_FALSE(c10::impl::tls_is_dispatch_key_included(kInterceptKey));
   EXPECT_FALSE(in_sac_context());
-  EXPECT_EQ(torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks(), nullptr);
+  EXPECT_EQ(
+      torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks(), nullptr);
 }
 
 class Budget : public ::testing::Test {
@@ -173,9 +177,12 @@ TEST_F(Budget, LargeBudgetSavesEverySaveableCall) {
 }
 
 TEST_F(Budget, RegionUnderThePlanHasBitwiseEqualGradientsAndTheSameKeys) {
-  const auto reference = gradients(weights, [&](const at::Tensor& x) { return attention_block(weights, x); });
+  const auto reference = gradients(weights, [&](const at::Tensor& x) {
+    return attention_block(weights, x);
+  });
   const BudgetPlan half = plan({.fraction = 0.5});
-  for (const BudgetPlan& p : {half.with_budget({.fraction = 0.0}), half, half.with_budget({.fraction = 1e6})}) {
+  for (const BudgetPlan& p :
+       {half.with_budget({.fraction = 0.0}), half, half.with_budget({.fraction = 1e6})}) {
     SCOPED_TRACE(p.summary());
     // The region asks the plan's policy about exactly the calls profiled,
     // with the same keys.
@@ -204,7 +211,8 @@ TEST_F(Budget, RegionUnderThePlanHasBitwiseEqualGradientsAndTheSameKeys) {
   }
   // The policy itself, as a user passes it.
   const auto grads = gradients(weights, [&](const at::Tensor& x) {
-    return checkpoint([&](const at::Tensor& t) { return attention_block(weights, t); }, x, half.policy);
+    return checkpoint(
+        [&](const at::Tensor& t) { return attention_block(weights, t); }, x, half.policy);
   });
   expect_bitwise_equal(reference, grads);
 }
@@ -219,7 +227,7 @@ TEST(BudgetAccounting, ViewsShareTheirBaseStorageAndOutsideStoragesAreFree) {
         return at::mm(z, w.t());
       },
       {.fraction = 1e6});
-  const int64_t n = 256 * 4;  // bytes of one float tensor of 256 elements
+  const int64_t n = 256 * 4; // bytes of one float tensor of 256 elements
   const PlannedCall* exp = find_call(p, "aten::exp");
   const PlannedCall* view = find_call(p, "aten::view");
   const PlannedCall* t = find_call(p, "aten::t");
@@ -279,7 +287,8 @@ TEST_F(Budget, BadOptionsRaiseValueErrorWithoutRunningFn) {
       EXPECT_NE(std::string(e.what()).find("torch_sac::policies::budget"), std::string::npos);
     }
   };
-  expect_error({}, "pass exactly one of BudgetOptions::bytes and BudgetOptions::fraction (got neither)");
+  expect_error(
+      {}, "pass exactly one of BudgetOptions::bytes and BudgetOptions::fraction (got neither)");
   expect_error({.bytes = 1, .fraction = 0.5}, "(got both)");
   expect_error({.bytes = -1}, "BudgetOptions::bytes must be >= 0");
   expect_error({.fraction = -0.5}, "BudgetOptions::fraction must be finite and >= 0");
@@ -297,7 +306,7 @@ TEST_F(Budget, NothingStaysInstalledAndTheRandomStateIsRestored) {
   at::manual_seed(5);
   const at::Tensor expected = at::rand({8});
   {
-    at::NoGradGuard no_grad;  // the profile runs with grad on, then it is off again
+    at::NoGradGuard no_grad; // the profile runs with grad on, then it is off again
     at::manual_seed(5);
     bool grad_inside = false;
     plan({.fraction = 0.5});
@@ -330,7 +339,8 @@ TEST_F(Budget, RefusedInsideARegion) {
     plan({.fraction = 0.5});
     ADD_FAILURE() << "budget inside a SacContext must raise";
   } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("called inside a SacContext"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("called inside a SacContext"), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(key_handler_depth(), 1u) << "the region's handler, nothing else";
 }
@@ -343,13 +353,14 @@ TEST(BudgetProfile, GraphOfTheProfiledRunStaysUsableAndVersionChecked) {
   EXPECT_TRUE(at::equal(x.grad(), x.exp()));
   {
     at::NoGradGuard no_grad;
-    out.add_(1);  // exp saved its output for backward
+    out.add_(1); // exp saved its output for backward
   }
   try {
     out.sum().backward();
     ADD_FAILURE() << "backward through a modified saved tensor must raise";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("modified by an inplace operation"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("modified by an inplace operation"), std::string::npos)
+        << e.what();
   }
 }
 
