@@ -297,7 +297,7 @@ def solve_times(args):
         calls = region.stats()["policy_calls"]
         plan = torch_sac.policies.budget(fn, peak_bytes=int(plain * 0.4))
         print(f"{n:>6} {calls:>9} {plan.solve_seconds * 1e3:>9.2f} {plan.solver:<17} "
-              f"{plan.runs:>5} {plan.measure_seconds:>10.2f} "
+              f"{plan.planning_runs:>5} {plan.measure_seconds:>10.2f} "
               f"{plan.measured_peak / plan.peak_bytes:>13.2f}")
     print("solve: time the region spent choosing what each rebuild keeps in the planned step; "
           "planning: the measured runs")

@@ -501,9 +501,14 @@ def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="
             :class:`~torch_sac.PeakPlan` choosing what forward keeps and the
             replay budget backward runs under, for ``fn`` as one region (a
             whole model: no blocks to choose). ``fn`` runs forward and
-            backward several times while planning (gradients via
-            ``autograd.grad``: no ``.grad`` is left behind); see
-            :class:`~torch_sac.PeakPlan` and docs/design.md, "Peak plans".
+            backward at most 10 times while planning
+            (``plan.planning_runs``), and what each run changes is put
+            back: module buffers (BatchNorm running statistics),
+            parameters' ``.grad`` (gradients go to ``autograd.grad``; a
+            ``backward`` inside ``fn`` is undone too) and the RNG state. A
+            peak below the least any measured plan reached raises
+            ``ValueError`` with that peak; see :class:`~torch_sac.PeakPlan`
+            and docs/design/peak-plans.md.
             Pass exactly one of ``bytes``, ``fraction`` and ``peak_bytes``.
         cost (str): ``"time"`` (default): each op's measured time, the median
             of the call and ``repeats`` replays of it (ops that mutate or draw

@@ -28,7 +28,7 @@ Policies (``--policies``, comma-separated):
   peak(none))``: what forward keeps and how backward rebuilds, multiple
   recomputation included, for the measured peak of the step. The check
   printed for it is ``peak(peak-F) <= F * peak(none)``; a fraction below
-  the least peak any region reaches is reported and skipped.
+  the least peak the planner measured is reported and skipped.
 
 The budget bounds what each region keeps; the check printed for it is
 ``activations(budget-F) <= activations(recompute_all) + blocks * budget``:
@@ -352,7 +352,7 @@ def _run(args, out):
             "saved_calls": None if plan.saved is None else len(plan.saved),
             "solver": plan.solver,
             "optimal": plan.optimal,
-            "planning_runs": plan.runs,
+            "planning_runs": plan.planning_runs,
             "within_bound": results[n]["peak_bytes"] <= plan.peak_bytes,
         }
     elapsed = time.perf_counter() - started
