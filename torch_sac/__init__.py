@@ -2,6 +2,19 @@
 
 See README.md for usage. ``adapter()`` tells which interception adapter this
 process uses.
+
+Modules import only modules of lower layers (docs/design/layers.md;
+``scripts/check_import_cycles.py`` checks the graph has no cycle):
+
+1. state: ``_C``, ``_compat``, ``_adapter``, ``policy``, ``_state``,
+   ``_ignored_ops``, ``_budget_types``, ``_build_info``
+2. utilities: ``_modes``, ``_compile``, ``_fsdp``, ``scopes``, ``memory``,
+   ``schedule``, ``_op_profile``, ``_blocks``, ``models``
+3. policy conversion: ``_torch_policy``, ``_policy_conversion``
+4. engines: ``contexts`` (the drop-in), ``region``, ``checkpointing``
+5. planners: ``_peak_plan``, ``_budget``
+6. front doors: ``policies``, ``apply``, ``profiler``, ``cli``, ``demo``,
+   this package
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -21,11 +34,11 @@ from . import _C  # noqa: E402
 
 __version__ = _C.__version__  # pyproject.toml's, compiled in by CMake
 _compat.check_built_with(_C.built_with_torch())
-# The installed torch's SAC_IGNORED_OPS joins torch_sac's own set before any
-# region exists (torch 2.15 adds prim.layout.default).
-_C.add_ignored_ops(_compat.sac_ignored_ops())
+# Adds the installed torch's SAC_IGNORED_OPS to torch_sac's own set before any
+# region exists, and computes IGNORED_OPS.
+from ._ignored_ops import IGNORED_OPS  # noqa: E402
 
-from . import _compile, memory, policies  # noqa: E402
+from . import _compile, _torch_policy, memory, policies  # noqa: E402
 from ._adapter import adapter, adapter_reason
 from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
@@ -36,7 +49,6 @@ from .checkpointing import checkpoint, checkpoint_sequential
 from .region import ReplayBudget, sac_context
 from .schedule import RebuildStep, ReplaySchedule, TensorKey
 from .scopes import name
-from . import _torch_policy  # noqa: F401  (adds OpPolicy.to_torch)
 
 __all__ = [
     "IGNORED_OPS",
@@ -60,19 +72,9 @@ __all__ = [
 ]
 
 
-def _ignored_ops():
-    ops = set()
-    for qualified, overload in _C.ignored_op_names():
-        namespace, name = qualified.split("::")
-        packet = getattr(getattr(torch.ops, namespace), name)
-        ops.add(getattr(packet, overload or "default"))
-    return frozenset(ops)
-
-
-#: Ops never passed to a policy, namely metadata queries and detach, whose
-#: count differs between forward and recompute. A superset of PyTorch's
-#: ``torch.utils.checkpoint.SAC_IGNORED_OPS``.
-IGNORED_OPS = _ignored_ops()
-
 _C.register_policy_enums(Policy, _torch_checkpoint.CheckpointPolicy)
+# Side effects of importing torch_sac, explicit here: OpPolicy.to_torch, and
+# the compile hooks (a patch of Inductor's CompiledFxGraph.__call__ and Dynamo's
+# compile callbacks, applied when torch imports those modules).
+_torch_policy.install()
 _compile.install()

@@ -7,7 +7,9 @@ import numbers
 import torch
 
 from . import _C
+from ._blocks import find_blocks, select_blocks
 from ._op_profile import format_bytes, profile_region
+from ._peak_plan import plan_for_peak
 
 __all__ = ["budget", "BudgetPolicy", "ModelBudget", "PlanItem", "PlanRow"]
 
@@ -576,8 +578,6 @@ def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="
                 f"torch_sac.{where}: cost, solver, repeats and max_states are for bytes/fraction "
                 "plans; a peak_bytes plan measures peaks and weighs replays by the region's "
                 "estimated cost")
-        from ._peak_plan import plan_for_peak  # it runs regions, which import policies
-
         return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)
     _check_budget(bytes, fraction, where)
     _check_choice(cost, _COSTS, "cost", where)
@@ -597,8 +597,6 @@ def _has_blocks(model):
     """A model of blocks (Hugging Face layers, a ModuleList/ModuleDict of
     them), not a block: an ``nn.Sequential`` MLP inside a block does not
     make it a model."""
-    from .apply import find_blocks
-
     return bool(find_blocks(model, containers=(torch.nn.ModuleList, torch.nn.ModuleDict)))
 
 
@@ -630,9 +628,7 @@ def _detached(v):
 
 def _model_budget(model, args, kwargs, modules, cost, bytes_, fraction, solver, repeats,
                   max_states, where):
-    from .apply import _select
-
-    blocks = _select(model, modules)
+    blocks = select_blocks(model, modules)
     calls = {}
 
     def capture(module, block_args, block_kwargs):

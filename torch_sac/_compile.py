@@ -28,56 +28,16 @@ import sys
 import threading
 import warnings
 
-import torch
-
 from . import _C
+from ._state import contexts_open, regions_open
 
-__all__ = ["checkpoint_when_compiling", "refuse_region_while_compiling", "install"]
+__all__ = ["refuse_region_while_compiling", "warn_replay_budget_ignored", "install"]
 
 _INDUCTOR_MODULE = "torch._inductor.output_code"
 _DYNAMO_CALLBACKS_MODULE = "torch._dynamo.callback"
 
-# torch_sac contexts open on this thread: regions, and all contexts
-# (regions and the drop-in's), kept by torch_sac.region and torch_sac._modes.
-_open = threading.local()
-
-
-def regions_open():
-    return getattr(_open, "regions", 0)
-
-
-def contexts_open():
-    return getattr(_open, "contexts", 0)
-
-
-def region_opened():
-    _open.regions = regions_open() + 1
-
-
-def region_closed():
-    _open.regions = regions_open() - 1
-
-
-def context_opened():
-    _open.contexts = contexts_open() + 1
-
-
-def context_closed():
-    _open.contexts = contexts_open() - 1
-
-
-def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation,
-                              **torch_keywords):
-    """``torch_sac.checkpoint`` while Dynamo traces: PyTorch's checkpoint with
-    torch_sac's contexts (PyTorch's SAC with ``policy.to_torch()`` under
-    compile), given torch's keywords (``preserve_rng_state``, ...)."""
-    from .contexts import create_selective_checkpoint_contexts
-
-    context_fn = functools.partial(
-        create_selective_checkpoint_contexts, policy,
-        allow_cache_entry_mutation=allow_cache_entry_mutation)
-    return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=context_fn, **torch_keywords, **kwargs)
+# The counts of torch_sac contexts open on this thread live in torch_sac._state
+# (kept by torch_sac.region and torch_sac._modes); the guard below reads them.
 
 
 REPLAY_BUDGET_WHILE_COMPILING = (

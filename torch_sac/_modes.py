@@ -3,7 +3,7 @@
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _C, _compile
+from . import _C, _state
 from ._adapter import adapter
 
 __all__ = ["handler_mode"]
@@ -72,14 +72,14 @@ class _HandlerMode:
             self._on_enter()
         mode.__enter__()
         self._active = mode
-        _compile.context_opened()
+        _state.context_opened()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         mode, self._active = self._active, None
         try:
             if mode is not None:
-                _compile.context_closed()
+                _state.context_closed()
                 mode.__exit__(exc_type, exc, tb)
         finally:
             if self._on_exit is not None:

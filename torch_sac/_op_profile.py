@@ -27,6 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._ignored_ops import IGNORED_OPS
+
 __all__ = ["OpRecord", "StorageRecord", "RegionProfile", "profile_region", "LiveStorages"]
 
 
@@ -217,8 +219,6 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
     restored afterwards; other side effects of ``fn`` (BatchNorm running
     statistics, ...) happen once. Returns ``(RegionProfile, output)``.
     """
-    from . import IGNORED_OPS  # the package imports this module lazily
-
     kwargs = kwargs or {}
     mode = _ProfileMode(IGNORED_OPS, repeats, count_flops)
     saved = []

@@ -46,9 +46,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from . import _C, memory
+from ._budget_types import RegionPlan
 from ._op_profile import cuda_devices, format_bytes
 from .region import ReplayBudget, in_region, sac_context
-from .schedule import ReplaySchedule, _call, read_json, write_json
+from .schedule import ReplaySchedule, as_call, read_json, write_json
 
 __all__ = ["PeakPlan", "plan_for_peak"]
 
@@ -86,7 +87,7 @@ _SHARE_RUNS = 2
 _BEFORE_A_FIT = ("budget", "budget", "budget", "least", "least")
 
 
-class PeakPlan:
+class PeakPlan(RegionPlan):
     """What forward keeps and how backward rebuilds under a peak budget.
 
     Made by :func:`torch_sac.policies.budget` with ``peak_bytes``; run it with
@@ -273,7 +274,7 @@ class PeakPlan:
                 f"got {saved!r}")
         return cls(**{k: data[k] for k in names[:11]},
                    replay_budget=None if budget is None else ReplayBudget(*budget),
-                   saved=None if saved is None else [_call(c) for c in saved],
+                   saved=None if saved is None else [as_call(c) for c in saved],
                    schedule=ReplaySchedule.from_dict(data["schedule"]))
 
     def save(self, path):

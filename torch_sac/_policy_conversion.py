@@ -1,10 +1,37 @@
 """Turns what users pass as a policy into a C++ OpPolicy."""
 
-from . import _C
-from ._torch_policy import TorchPolicy
-from .policies import save_ops
+from collections.abc import Iterable
 
-__all__ = ["as_op_policy"]
+import torch
+
+from . import _C
+from ._budget_types import RegionPlan
+from ._torch_policy import TorchPolicy
+
+__all__ = ["as_op_policy", "op_patterns"]
+
+
+def op_patterns(ops, where):
+    """``[(qualified_name, overload or None)]`` for a list of ops, as
+    ``_C.save_ops`` takes them."""
+    if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ops = [ops]
+    if not isinstance(ops, Iterable) or isinstance(ops, (str, bytes)):
+        raise TypeError(f"torch_sac.{where}: expected a list of ops, got {ops!r}")
+    patterns = []
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverload):
+            patterns.append((op._schema.name, op._schema.overload_name))
+        elif isinstance(op, torch._ops.OpOverloadPacket):
+            patterns.append((op._qualified_op_name, None))
+        else:
+            # ValueError, as PyTorch's create_selective_checkpoint_contexts raises.
+            raise ValueError(
+                f"torch_sac.{where}: {op!r} (type {type(op).__name__}) is not an "
+                "op; pass OpOverloads such as torch.ops.aten.mm.default or "
+                "packets such as torch.ops.aten.mm (matching every overload)"
+            )
+    return patterns
 
 
 def as_op_policy(policy, where):
@@ -15,12 +42,10 @@ def as_op_policy(policy, where):
         # policy.to_torch() handed back to torch_sac: use the policy itself.
         return policy.policy
     if isinstance(policy, (list, tuple)):
-        return save_ops(list(policy))
+        return _C.save_ops(op_patterns(list(policy), "save_ops"))
     if callable(policy):
         return _C.python_policy(policy)
-    from ._peak_plan import PeakPlan  # it runs regions, which convert policies
-
-    if isinstance(policy, PeakPlan):
+    if isinstance(policy, RegionPlan):  # a torch_sac.PeakPlan
         raise TypeError(
             f"torch_sac.{where}: a PeakPlan runs as one region, with its replay budget: pass it "
             "to torch_sac.sac_context or torch_sac.checkpoint (plan.policy() is only its "

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import _C, _compat
+from ._ignored_ops import IGNORED_OPS
 from .scopes import ANNOTATION_PREFIX
 
 __all__ = ["TorchPolicy"]
@@ -55,18 +56,6 @@ _BY_VALUE = (
 # How far up the stack the calling dispatch mode may be (the policy_fn may be
 # wrapped by a user's own policy_fn a few levels deep).
 _MAX_FRAMES = 32
-
-_ignored = None
-
-
-def _ignored_ops():
-    global _ignored
-    if _ignored is None:
-        from . import IGNORED_OPS
-
-        _ignored = IGNORED_OPS
-    return _ignored
-
 
 def _calling_mode(frame):
     """The TorchDispatchMode whose ``__torch_dispatch__`` is calling us."""
@@ -134,7 +123,7 @@ class TorchPolicy:
         return self._policy
 
     def __call__(self, ctx, op, *args, **kwargs):
-        if op in _ignored_ops():
+        if op in IGNORED_OPS:
             # torch_sac never shows these to a policy (their count differs
             # between forward and recompute); never cache them.
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -221,4 +210,7 @@ def to_torch(self):
     return TorchPolicy(self)
 
 
-_C.OpPolicy.to_torch = to_torch
+
+def install():
+    """Adds :meth:`to_torch` to ``_C.OpPolicy`` (the package calls this on import)."""
+    _C.OpPolicy.to_torch = to_torch

@@ -3,7 +3,6 @@
 import collections
 import functools
 import inspect
-import sys
 
 import torch
 import torch.nn as nn
@@ -11,93 +10,14 @@ import torch.utils.checkpoint as tc
 
 from . import _compile
 from ._policy_conversion import as_op_policy
-from .contexts import create_selective_checkpoint_contexts
-from .region import _check_replay_budget, sac_context
+from ._blocks import find_blocks, select_blocks  # noqa: F401  (find_blocks: for callers)
+from ._budget_types import check_replay_budget
+from .contexts import checkpoint_when_compiling, create_selective_checkpoint_contexts
+from .region import sac_context
 
 __all__ = ["apply_sac", "SacHandle"]
 
 _ENGINES = ("region", "dropin")
-
-
-def _gradient_checkpointing_layer():
-    """Hugging Face's base class of decoder/encoder layers, if transformers
-    is already imported (it is never imported here)."""
-    module = sys.modules.get("transformers.modeling_layers")
-    return getattr(module, "GradientCheckpointingLayer", None)
-
-
-def _repeated_children(container):
-    """The children of ``container`` of its most frequent class with
-    parameters, if that class occurs at least twice (an ``nn.Sequential``
-    may hold an embedding and a head around its blocks)."""
-    by_class = collections.defaultdict(list)
-    for child in container.children():
-        if any(True for _ in child.parameters()):
-            by_class[type(child)].append(child)
-    if not by_class:
-        return []
-    blocks = max(by_class.values(), key=len)
-    return blocks if len(blocks) >= 2 else []
-
-
-def find_blocks(model, containers=(nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-    """The model's repeated blocks: Hugging Face ``GradientCheckpointingLayer``s
-    if any, else the children of every ``ModuleList``/``ModuleDict``/
-    ``nn.Sequential`` of the most frequent class with parameters among its
-    children, when there are two or more (torchtitan's ``layers``
-    ModuleDict). Outermost matches win: a block inside a selected block is
-    not selected again."""
-    hf_layer = _gradient_checkpointing_layer()
-    candidates = []
-    if hf_layer is not None:
-        candidates = [m for m in model.modules() if isinstance(m, hf_layer)]
-    if not candidates:
-        for m in model.modules():
-            if isinstance(m, containers):
-                candidates += _repeated_children(m)
-    return _outermost(model, candidates)
-
-
-def _outermost(model, candidates):
-    chosen = set(map(id, candidates))
-    selected = []
-
-    def visit(module, inside):
-        picked = id(module) in chosen and not inside
-        if picked:
-            selected.append(module)
-        for child in module.children():
-            visit(child, inside or picked)
-
-    visit(model, False)
-    return selected
-
-
-def _select(model, modules):
-    if modules is None:
-        blocks = find_blocks(model)
-        if not blocks:
-            raise ValueError(
-                "torch_sac.apply_sac: found no repeated blocks in the model (no Hugging Face "
-                "GradientCheckpointingLayer, no ModuleList/ModuleDict/Sequential holding two or "
-                "more modules of one class); pass modules= a class, a tuple of classes or a "
-                "predicate")
-        return blocks
-    if isinstance(modules, type) or (
-            isinstance(modules, tuple) and all(isinstance(c, type) for c in modules)):
-        predicate = lambda m: isinstance(m, modules)  # noqa: E731
-    elif callable(modules):
-        predicate = modules
-    else:
-        raise TypeError(
-            "torch_sac.apply_sac: modules must be None, an nn.Module class, a tuple of "
-            f"classes or a predicate module -> bool, got {modules!r}")
-    found = [m for m in model.modules() if m is not model and predicate(m)]
-    if not found and predicate(model):
-        found = [model]
-    if not found:
-        raise ValueError(f"torch_sac.apply_sac: no module of the model matches {modules!r}")
-    return _outermost(model, found)
 
 
 def _is_per_module(policy):
@@ -210,14 +130,14 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
     """
     if engine not in _ENGINES:
         raise ValueError(f"torch_sac.apply_sac: engine must be one of {_ENGINES}, got {engine!r}")
-    _check_replay_budget(replay_budget, "apply_sac")
+    check_replay_budget(replay_budget, "apply_sac")
     if replay_budget is not None and engine != "region":
         raise ValueError(
             "torch_sac.apply_sac: replay_budget needs engine='region' (the drop-in re-runs each "
             "module's forward once in backward, as torch.utils.checkpoint does)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}")
-    selected = _select(model, modules)
+    selected = select_blocks(model, modules)
     wanted = set(selected)
     names = {m: n for n, m in model.named_modules() if m in wanted}
     handle = SacHandle({m: names[m] for m in selected}, engine)
@@ -245,7 +165,7 @@ def _wrap(module, original, policy, engine, allow, replay_budget, handle):
         if torch.compiler.is_compiling():
             if replay_budget is not None:
                 _compile.warn_replay_budget_ignored()
-            return _compile.checkpoint_when_compiling(original, args, kwargs, policy, allow)
+            return checkpoint_when_compiling(original, args, kwargs, policy, allow)
         if engine == "region":
             with sac_context(policy, allow_cache_entry_mutation=allow,
                              replay_budget=replay_budget) as region:

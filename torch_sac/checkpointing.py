@@ -10,8 +10,10 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C, _compat, _compile
 from ._policy_conversion import as_op_policy
-from .contexts import create_selective_checkpoint_contexts, selective_policy_of_contexts
-from .region import _check_replay_budget, _unpack_plan, sac_context
+from ._budget_types import check_replay_budget, unpack_plan
+from .contexts import (checkpoint_when_compiling, create_selective_checkpoint_contexts,
+                       selective_policy_of_contexts)
+from .region import sac_context
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -155,11 +157,11 @@ def checkpoint(function=None, *args, use_reentrant=None,
             preserve_rng_state=preserve_rng_state,
             respect_saved_tensors_hooks=respect_saved_tensors_hooks, policy=policy,
             allow_cache_entry_mutation=allow_cache_entry_mutation, replay_budget=replay_budget)
-        _check_replay_budget(replay_budget, where)
+        check_replay_budget(replay_budget, where)
         return functools.partial(_checkpointed, options=options)
     if not callable(function):
         raise TypeError(f"torch_sac.checkpoint: function must be callable, got {function!r}")
-    _check_replay_budget(replay_budget, where)
+    check_replay_budget(replay_budget, where)
     contexts = None
     if context_fn is not _torch_checkpoint.noop_context_fn:
         if policy is not None:
@@ -182,10 +184,10 @@ def checkpoint(function=None, *args, use_reentrant=None,
             "the function (they take precedence for the tensors saved under them), or use "
             "torch.utils.checkpoint.checkpoint.")
     if torch.compiler.is_compiling():
-        policy, replay_budget = _unpack_plan(policy, replay_budget)
+        policy, replay_budget = unpack_plan(policy, replay_budget)
         if replay_budget is not None:
             _compile.warn_replay_budget_ignored()
-        return _compile.checkpoint_when_compiling(
+        return checkpoint_when_compiling(
             function, args, kwargs, policy, allow_cache_entry_mutation,
             preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
             debug=debug, early_stop=early_stop)
@@ -267,9 +269,9 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
         use_reentrant, kwargs.get("determinism_check", "default"), kwargs.get("debug", False),
         kwargs.get("early_stop", True), kwargs.get("preserve_rng_state", True),
         kwargs.get("respect_saved_tensors_hooks"), "checkpoint_sequential")
-    _check_replay_budget(kwargs.get("replay_budget"), "checkpoint_sequential")
+    check_replay_budget(kwargs.get("replay_budget"), "checkpoint_sequential")
     if kwargs.get("policy") is not None:
-        as_op_policy(_unpack_plan(kwargs["policy"], None)[0], "checkpoint_sequential")
+        as_op_policy(unpack_plan(kwargs["policy"], None)[0], "checkpoint_sequential")
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     else:

@@ -1,5 +1,6 @@
 """A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
 
+import functools
 import gc
 import inspect
 import sys
@@ -11,12 +12,12 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _C, _compat
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
-from .region import _observers
+from ._state import observers as _observers
 
 __all__ = ["create_selective_checkpoint_contexts", "selective_policy_of_contexts"]
 
 
-class _SelectiveContext:
+class SelectiveContext:
     """One of the two contexts: routes ops through a C++ handler while entered.
 
     The forward context tells this thread's observers (an active
@@ -218,9 +219,9 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
         return _torch_checkpoint.create_selective_checkpoint_contexts(
             policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation)
     state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
-    forward = _SelectiveContext(state, state.caching, on_enter=state.begin_forward,
+    forward = SelectiveContext(state, state.caching, on_enter=state.begin_forward,
                                 on_exit=state.finish_forward)
-    recompute = _SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
+    recompute = SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
                                   on_exit=state.finish_recompute, forward=forward)
     forward._made_from = (policy, allow_cache_entry_mutation)
     return forward, recompute
@@ -235,7 +236,7 @@ def selective_policy_of_contexts(contexts):
     if not isinstance(contexts, tuple) or len(contexts) != 2:
         return None, False
     forward, recompute = contexts
-    if isinstance(forward, _SelectiveContext) and forward._made_from is not None \
+    if isinstance(forward, SelectiveContext) and forward._made_from is not None \
             and recompute._forward is forward:
         return forward._made_from
     caching = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
@@ -243,3 +244,18 @@ def selective_policy_of_contexts(contexts):
     if caching is not None and type(forward) is caching and type(recompute) is cached:
         return forward.policy_fn, recompute.allow_cache_entry_mutation
     return None, False
+
+
+def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation,
+                              **torch_keywords):
+    """``torch_sac.checkpoint`` while Dynamo traces: PyTorch's checkpoint with
+    torch_sac's contexts (PyTorch's SAC with ``policy.to_torch()`` under
+    compile), given torch's keywords (``preserve_rng_state``, ...)."""
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, policy,
+        allow_cache_entry_mutation=allow_cache_entry_mutation)
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=context_fn, **torch_keywords, **kwargs)
+
+
+_SelectiveContext = SelectiveContext  # its former name

@@ -7,12 +7,9 @@ torch_sac takes a policy. ``policy.to_torch()`` turns any of them into a
 under ``torch.compile``) that makes the same choices.
 """
 
-from collections.abc import Iterable
-
-import torch
-
 from . import _C
 from ._budget import BudgetPolicy, ModelBudget, budget
+from ._policy_conversion import op_patterns
 
 __all__ = [
     "save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name",
@@ -27,27 +24,6 @@ __all__ = [
 MATMUL_OPS = tuple(_C.matmul_op_names())
 
 
-def _op_patterns(ops, where):
-    if isinstance(ops, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        ops = [ops]
-    if not isinstance(ops, Iterable) or isinstance(ops, (str, bytes)):
-        raise TypeError(f"torch_sac.{where}: expected a list of ops, got {ops!r}")
-    patterns = []
-    for op in ops:
-        if isinstance(op, torch._ops.OpOverload):
-            patterns.append((op._schema.name, op._schema.overload_name))
-        elif isinstance(op, torch._ops.OpOverloadPacket):
-            patterns.append((op._qualified_op_name, None))
-        else:
-            # ValueError, as PyTorch's create_selective_checkpoint_contexts raises.
-            raise ValueError(
-                f"torch_sac.{where}: {op!r} (type {type(op).__name__}) is not an "
-                "op; pass OpOverloads such as torch.ops.aten.mm.default or "
-                "packets such as torch.ops.aten.mm (matching every overload)"
-            )
-    return patterns
-
-
 def save_ops(ops):
     """Save the outputs of ``ops``, recompute everything else.
 
@@ -58,7 +34,7 @@ def save_ops(ops):
     Returns ``MUST_SAVE`` for the listed ops and ``PREFER_RECOMPUTE`` for the
     rest, as PyTorch does for a list of ops.
     """
-    return _C.save_ops(_op_patterns(ops, "save_ops"))
+    return _C.save_ops(op_patterns(ops, "save_ops"))
 
 
 def save_all():
@@ -101,7 +77,7 @@ def every_nth(ops, n):
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"torch_sac.every_nth: n must be an int, got {n!r}")
-    return _C.every_nth(_op_patterns(ops, "every_nth"), n)
+    return _C.every_nth(op_patterns(ops, "every_nth"), n)
 
 
 def save_by_name(*names):

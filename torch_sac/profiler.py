@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _C, memory
 from ._adapter import adapter
 from ._op_profile import format_bytes
-from .contexts import _SelectiveContext
-from .region import _observers
+from ._state import observers as _observers
+from .contexts import SelectiveContext
 
 __all__ = ["profile", "plot_memory"]
 
@@ -361,7 +361,7 @@ class profile:
 
     def _region_entered(self, ctx):
         index = len(self._regions)
-        dropin = isinstance(ctx, _SelectiveContext)
+        dropin = isinstance(ctx, SelectiveContext)
         self._regions.append({
             "ctx": ctx, "engine": "dropin" if dropin else "sac_context", "ops": {},
             "recompute_flops": {}, "counters": None, "enter": None, "exit": None,

@@ -1,100 +1,19 @@
 """Checkpointing a region of code in place: ``with torch_sac.sac_context(policy):``."""
 
-import collections
-import numbers
-import threading
-
 import torch
 
-from . import _C, _compile, _fsdp
+from . import _C, _compile, _fsdp, _state
+from ._budget_types import ReplayBudget, check_replay_budget, unpack_plan
 from ._modes import handler_mode
 from ._policy_conversion import as_op_policy
 from .schedule import ReplaySchedule
 
 __all__ = ["ReplayBudget", "sac_context"]
 
-# Regions entered on this thread, outermost first. Regions are thread-local,
-# like the interceptor and autograd's saved-tensor hooks they switch on.
-_active = threading.local()
-
-
-def _stack():
-    if not hasattr(_active, "regions"):
-        _active.regions = []
-    return _active.regions
-
-
-def in_region():
-    """Whether a sac_context is open on this thread."""
-    return bool(_stack())
-
-
-def _observers():
-    """Objects told when an outermost region, or the forward context of a
-    drop-in pair (``create_selective_checkpoint_contexts``), starts and ends on
-    this thread (``torch_sac.profile`` registers itself here while it is
-    active). Each has ``_region_entered(ctx)`` and ``_region_exited(ctx)``,
-    and ``_recompute_entered(forward_ctx)`` and ``_recompute_exited(forward_ctx)``,
-    which a drop-in's recompute context calls on the observers its forward
-    context told, on the thread recompute runs on."""
-    if not hasattr(_active, "observers"):
-        _active.observers = []
-    return _active.observers
-
-
-class ReplayBudget(collections.namedtuple("ReplayBudget", ["bytes", "counts_saved", "checkpoint_share"])):
-    """A replay budget, for ``replay_budget=`` of :class:`sac_context`.
-
-    ``ReplayBudget(bytes)`` is the same as ``replay_budget=bytes``: the region
-    holds at most ``bytes`` of rebuilt tensors during backward. With
-    ``counts_saved=True`` the outputs the policy kept in forward count too
-    while they are alive (autograd frees each once backward is past it), so
-    the room a kept checkpoint leaves goes to rebuilds. That is how a plan
-    whose forward keeps the first sweep of an optimal reversal runs
-    (:func:`torch_sac.policies.budget` with ``peak_bytes``).
-    ``checkpoint_share`` (in (0, 1], default 0.5): when the replay's cuts
-    are of several sizes, the most of what is free that goes to
-    checkpoints; the rest goes to the tensors backward needs next.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, bytes, counts_saved=False, checkpoint_share=0.5):
-        if isinstance(bytes, bool) or not isinstance(bytes, numbers.Integral):
-            raise TypeError(f"torch_sac.ReplayBudget: bytes must be an int, got {bytes!r}")
-        if bytes < 0:
-            raise ValueError(f"torch_sac.ReplayBudget: bytes must be >= 0, got {bytes}")
-        if not isinstance(counts_saved, bool):
-            raise TypeError(f"torch_sac.ReplayBudget: counts_saved must be a bool, got {counts_saved!r}")
-        if isinstance(checkpoint_share, bool) or not isinstance(checkpoint_share, numbers.Real) \
-                or not 0 < checkpoint_share <= 1:
-            raise ValueError(
-                f"torch_sac.ReplayBudget: checkpoint_share must be in (0, 1], got {checkpoint_share!r}")
-        return super().__new__(cls, int(bytes), counts_saved, float(checkpoint_share))
-
-
-def _check_replay_budget(replay_budget, where):
-    """None, or a :class:`ReplayBudget` from one or an int number of bytes >= 0."""
-    if replay_budget is None or isinstance(replay_budget, ReplayBudget):
-        return replay_budget
-    if isinstance(replay_budget, bool) or not isinstance(replay_budget, numbers.Integral):
-        raise TypeError(
-            f"torch_sac.{where}: replay_budget must be an int number of bytes, a "
-            f"torch_sac.ReplayBudget or None, got {replay_budget!r}")
-    if replay_budget < 0:
-        raise ValueError(f"torch_sac.{where}: replay_budget must be >= 0 bytes, got {replay_budget}")
-    return ReplayBudget(int(replay_budget))
-
-
-def _unpack_plan(policy, replay_budget):
-    """A :class:`~torch_sac.PeakPlan` is its forward policy plus its replay
-    budget (a budget given explicitly overrides the plan's); any other
-    policy passes through."""
-    from ._peak_plan import PeakPlan  # it runs regions itself
-
-    if not isinstance(policy, PeakPlan):
-        return policy, replay_budget
-    return policy.policy(), policy.replay_budget if replay_budget is None else replay_budget
+# Thread state lives in torch_sac._state; the old names stay here for callers.
+_stack = _state.stack
+in_region = _state.in_region
+_observers = _state.observers
 
 
 class sac_context:
@@ -175,12 +94,12 @@ class sac_context:
                 "torch_sac.sac_context: allow_cache_entry_mutation must be a bool, "
                 f"got {allow_cache_entry_mutation!r}"
             )
-        policy, planned_budget = _unpack_plan(policy, replay_budget)
+        policy, planned_budget = unpack_plan(policy, replay_budget)
         if replay_schedule is None:  # a schedule says what to keep, not a plan's budget
             replay_budget = planned_budget
         self._policy = as_op_policy(policy, "sac_context")
         self._allow = allow_cache_entry_mutation
-        self._replay_budget = _check_replay_budget(replay_budget, "sac_context")
+        self._replay_budget = check_replay_budget(replay_budget, "sac_context")
         if replay_schedule is not None and not isinstance(replay_schedule, ReplaySchedule):
             raise TypeError(
                 "torch_sac.sac_context: replay_schedule must be a torch_sac.ReplaySchedule "
@@ -198,7 +117,7 @@ class sac_context:
     def __enter__(self):
         if self._region is not None:
             raise RuntimeError("torch_sac.sac_context: this context is already entered")
-        stack = _stack()
+        stack = _state.stack()
         if stack:
             if self._replay_budget is not None or self._replay_schedule is not None:
                 raise ValueError(
@@ -222,11 +141,11 @@ class sac_context:
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
-            _compile.region_opened()
+            _state.region_opened()
             units = _fsdp.units_seen()
             # Undone in reverse order on exit.
             self._exits = [
-                _compile.region_closed,
+                _state.region_closed,
                 lambda: hooks.__exit__(None, None, None),
                 lambda: mode.__exit__(None, None, None),
                 self._region.close,
@@ -240,14 +159,14 @@ class sac_context:
         self._policy = None
         stack.append(self)
         if self._owner:
-            for observer in list(_observers()):
+            for observer in list(_state.observers()):
                 observer._region_entered(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if self._torn_down:
             return False  # already exited (an out-of-order exit undid it and raised)
-        stack = _stack()
+        stack = _state.stack()
         if self not in stack:
             raise RuntimeError(
                 "torch_sac.sac_context: exited on a thread that did not enter it, or "
@@ -283,7 +202,7 @@ class sac_context:
             except Exception as e:  # noqa: BLE001 - finish undoing, then report
                 error = error or e
         if self._owner:
-            for observer in list(_observers()):
+            for observer in list(_state.observers()):
                 observer._region_exited(self)
         return error
 

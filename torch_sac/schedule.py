@@ -77,7 +77,7 @@ class ReplaySchedule:
     """
 
     def __init__(self, rebuilds, saved=()):
-        self.saved = [(op, int(call)) for op, call in (_call(c) for c in saved)]
+        self.saved = [(op, int(call)) for op, call in (as_call(c) for c in saved)]
         self.rebuilds = []
         for step in rebuilds:
             if not isinstance(step, (tuple, list)) or len(step) not in (2, 3):
@@ -148,7 +148,8 @@ class ReplaySchedule:
                 + (f", releasing {released}" if released else "") + ">")
 
 
-def _call(c):
+def as_call(c):
+    """``(op, call_index)`` from a saved call, checked."""
     try:
         op, call = c
     except (TypeError, ValueError):
