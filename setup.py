@@ -42,7 +42,11 @@ class CMakeBuild(build_ext):
         )
         build_tests = os.environ.get("TORCH_SAC_BUILD_TESTS", "OFF")
         configure = [
-            "cmake", "-S", str(ROOT), "-B", str(BUILD_DIR),
+            "cmake",
+            "-S",
+            str(ROOT),
+            "-B",
+            str(BUILD_DIR),
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DTORCH_SAC_EXTENSION_OUTPUT={output}",
             f"-DTORCH_SAC_BUILD_TESTS={build_tests}",

@@ -86,6 +86,7 @@ from torch_sac._op_profile import LiveStorages, format_bytes, profile_region  # 
 # Part 1: solver time
 # --------------------------------------------------------------------------
 
+
 def random_instance(rng, n):
     storage_bytes = [0]
     values, item_storages, owners = [], [], []
@@ -150,7 +151,9 @@ def bench_solver(profile, sizes, runs):
                     solve_t, call_t = [], []
                     for _ in range(runs):
                         t0 = time.perf_counter()
-                        sol = torch_sac._C.budget_solve(*inst, cap, "auto" if method == "exact" else method)
+                        sol = torch_sac._C.budget_solve(
+                            *inst, cap, "auto" if method == "exact" else method
+                        )
                         call_t.append(time.perf_counter() - t0)
                         solve_t.append(sol["seconds"])
                     row[method] = {
@@ -160,7 +163,9 @@ def bench_solver(profile, sizes, runs):
                         "optimal": sol["optimal"],
                         "states": sol["states"],
                         "method": sol["method"],
-                        "cert_gap": (sol["upper_bound"] - sol["value"]) / sol["upper_bound"] if sol["upper_bound"] else 0.0,
+                        "cert_gap": (sol["upper_bound"] - sol["value"]) / sol["upper_bound"]
+                        if sol["upper_bound"]
+                        else 0.0,
                     }
                 ex, gr = row["exact"], row["greedy"]
                 row["gap"] = (ex["value"] - gr["value"]) / ex["value"] if ex["value"] else 0.0
@@ -170,9 +175,13 @@ def bench_solver(profile, sizes, runs):
 
 def print_solver(rows):
     print("\n== Solver time (C++ solve(), median; 'exact' column = solver='auto') ==")
-    print("gap: greedy below exact; cert: (upper_bound - value) / upper_bound of what auto returned")
-    hdr = (f"{'ops':>6} {'family':>7} {'budget':>6} | {'exact ms':>9} {'(call)':>8} {'states':>9} {'used':>6} "
-           f"{'optimal':>7} {'cert':>8} | {'greedy ms':>9} {'(call)':>8} {'gap':>9}")
+    print(
+        "gap: greedy below exact; cert: (upper_bound - value) / upper_bound of what auto returned"
+    )
+    hdr = (
+        f"{'ops':>6} {'family':>7} {'budget':>6} | {'exact ms':>9} {'(call)':>8} {'states':>9} {'used':>6} "
+        f"{'optimal':>7} {'cert':>8} | {'greedy ms':>9} {'(call)':>8} {'gap':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -187,6 +196,7 @@ def print_solver(rows):
 # --------------------------------------------------------------------------
 # Part 2: memory / step time
 # --------------------------------------------------------------------------
+
 
 class NanoGPTBlock(torch.nn.Module):
     """A nanoGPT block: pre-LN, fused qkv, causal SDPA, GELU MLP, out-of-place
@@ -208,7 +218,8 @@ class NanoGPTBlock(torch.nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+            q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True
+        )
         return self.drop(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
     def forward(self, x):
@@ -295,7 +306,9 @@ def autograd_saved_bytes(model, x):
     params |= {b.untyped_storage()._cdata for b in model.buffers()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
-    nbytes = sum(b for k, b in saved.items() if k not in params and k != out.untyped_storage()._cdata)
+    nbytes = sum(
+        b for k, b in saved.items() if k not in params and k != out.untyped_storage()._cdata
+    )
     del out
     return nbytes
 
@@ -314,9 +327,12 @@ def bench_tradeoff(args, fractions):
     t0 = time.perf_counter()
     plan = torch_sac.policies.budget(model[0], block_x, fraction=1.0, repeats=args.repeats)
     profile_s = time.perf_counter() - t0
-    configs = [("no checkpoint", None), (TORCH_CHECKPOINT, TORCH_CHECKPOINT),
-               ("recompute_all", torch_sac.policies.recompute_all()),
-               ("save_matmuls", torch_sac.policies.save_matmuls())]
+    configs = [
+        ("no checkpoint", None),
+        (TORCH_CHECKPOINT, TORCH_CHECKPOINT),
+        ("recompute_all", torch_sac.policies.recompute_all()),
+        ("save_matmuls", torch_sac.policies.save_matmuls()),
+    ]
     plans = {}
     for f in fractions:
         p = plan.with_budget(fraction=f)
@@ -353,18 +369,20 @@ def bench_tradeoff(args, fractions):
     rows = []
     for name, _ in configs:
         p = plans.get(name)
-        rows.append({
-            "config": name,
-            "activation_bytes": mem[name],
-            "memory_fraction": mem[name] / mem["no checkpoint"],
-            "step_ms": statistics.median(times[name]) * 1e3,
-            "overhead_ms": statistics.median(overhead[name]) * 1e3,
-            "plan_bytes_per_block": None if p is None else p.saved_bytes,
-            "plan_budget_per_block": None if p is None else p.budget_bytes,
-            "saved_calls": None if p is None else len(p.chosen),
-            "avoided_fraction": None if p is None else p.avoided_cost / p.total_cost,
-            "solver": None if p is None else p.solver + (" (optimal)" if p.optimal else ""),
-        })
+        rows.append(
+            {
+                "config": name,
+                "activation_bytes": mem[name],
+                "memory_fraction": mem[name] / mem["no checkpoint"],
+                "step_ms": statistics.median(times[name]) * 1e3,
+                "overhead_ms": statistics.median(overhead[name]) * 1e3,
+                "plan_bytes_per_block": None if p is None else p.saved_bytes,
+                "plan_budget_per_block": None if p is None else p.budget_bytes,
+                "saved_calls": None if p is None else len(p.chosen),
+                "avoided_fraction": None if p is None else p.avoided_cost / p.total_cost,
+                "solver": None if p is None else p.solver + (" (optimal)" if p.optimal else ""),
+            }
+        )
     info = {
         "block_activation_bytes": plan.activation_bytes,
         "block_ops": len(plan.items),
@@ -375,15 +393,23 @@ def bench_tradeoff(args, fractions):
 
 
 def print_tradeoff(rows, info, args):
-    print(f"\n== {args.model}: {MODELS[args.model][0]}; {args.layers} blocks, d_model {args.d_model}, "
-          f"{args.heads} heads, batch {args.batch}, seq {args.seq}; {torch.get_num_threads()} thread(s), "
-          f"adapter {torch_sac.adapter()}, engine {ENGINE} ==")
-    print(f"per block: {info['block_ops']} op calls, un-checkpointed activations "
-          f"{format_bytes(info['block_activation_bytes'])}; profiling took {info['profile_seconds']:.2f} s")
-    print(f"whole model, no checkpoint: live after forward {format_bytes(rows[0]['activation_bytes'])}, "
-          f"autograd saved (distinct storages) {format_bytes(info['autograd_saved_bytes'])}")
-    hdr = (f"{'config':<20} {'activations':>11} {'of plain':>8} {'step ms':>8} {'overhead ms':>11} "
-           f"{'of full ckpt':>12} | {'plan/block':>10} {'budget/block':>12} {'saved':>5} {'avoided':>7} solver")
+    print(
+        f"\n== {args.model}: {MODELS[args.model][0]}; {args.layers} blocks, d_model {args.d_model}, "
+        f"{args.heads} heads, batch {args.batch}, seq {args.seq}; {torch.get_num_threads()} thread(s), "
+        f"adapter {torch_sac.adapter()}, engine {ENGINE} =="
+    )
+    print(
+        f"per block: {info['block_ops']} op calls, un-checkpointed activations "
+        f"{format_bytes(info['block_activation_bytes'])}; profiling took {info['profile_seconds']:.2f} s"
+    )
+    print(
+        f"whole model, no checkpoint: live after forward {format_bytes(rows[0]['activation_bytes'])}, "
+        f"autograd saved (distinct storages) {format_bytes(info['autograd_saved_bytes'])}"
+    )
+    hdr = (
+        f"{'config':<20} {'activations':>11} {'of plain':>8} {'step ms':>8} {'overhead ms':>11} "
+        f"{'of full ckpt':>12} | {'plan/block':>10} {'budget/block':>12} {'saved':>5} {'avoided':>7} solver"
+    )
     print(hdr)
     print("-" * len(hdr))
     full = next(r for r in rows if r["config"] == TORCH_CHECKPOINT)["overhead_ms"]
@@ -391,33 +417,51 @@ def print_tradeoff(rows, info, args):
         of_full = r["overhead_ms"] / full if full > 0 else float("nan")
         plan_cols = ""
         if r["plan_bytes_per_block"] is not None:
-            plan_cols = (f"{format_bytes(r['plan_bytes_per_block']):>10} {format_bytes(r['plan_budget_per_block']):>12} "
-                         f"{r['saved_calls']:>5} {r['avoided_fraction']:>7.0%} {r['solver']}")
-        print(f"{r['config']:<20} {format_bytes(r['activation_bytes']):>11} {r['memory_fraction']:>8.0%} "
-              f"{r['step_ms']:>8.1f} {r['overhead_ms']:>11.1f} {of_full:>12.0%} | {plan_cols}")
+            plan_cols = (
+                f"{format_bytes(r['plan_bytes_per_block']):>10} {format_bytes(r['plan_budget_per_block']):>12} "
+                f"{r['saved_calls']:>5} {r['avoided_fraction']:>7.0%} {r['solver']}"
+            )
+        print(
+            f"{r['config']:<20} {format_bytes(r['activation_bytes']):>11} {r['memory_fraction']:>8.0%} "
+            f"{r['step_ms']:>8.1f} {r['overhead_ms']:>11.1f} {of_full:>12.0%} | {plan_cols}"
+        )
     at50 = next(r for r in rows if r["config"] == "budget @50% model")
     ratio = at50["overhead_ms"] / full if full > 0 else float("nan")
     ok = at50["memory_fraction"] <= 0.5 + 1e-9 and ratio <= 0.5
-    print(f"\nTarget: at <= 50% of the un-checkpointed activation memory, overhead <= 1/2 of full checkpointing.")
-    print(f"Measured: budget @50% model keeps {at50['memory_fraction']:.1%} of the activation memory with "
-          f"{at50['overhead_ms']:.1f} ms overhead vs {full:.1f} ms for {TORCH_CHECKPOINT} ({ratio:.0%}): "
-          f"{'MET' if ok else 'NOT MET'}")
+    print(
+        "\nTarget: at <= 50% of the un-checkpointed activation memory, overhead <= 1/2 of full checkpointing."
+    )
+    print(
+        f"Measured: budget @50% model keeps {at50['memory_fraction']:.1%} of the activation memory with "
+        f"{at50['overhead_ms']:.1f} ms overhead vs {full:.1f} ms for {TORCH_CHECKPOINT} ({ratio:.0%}): "
+        f"{'MET' if ok else 'NOT MET'}"
+    )
     return ok
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: fewer sizes and rounds, smaller models")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier timings)")
-    ap.add_argument("--models", default="nanogpt,testgpt", help=f"comma-separated, from {sorted(MODELS)}")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: fewer sizes and rounds, smaller models"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier timings)"
+    )
+    ap.add_argument(
+        "--models", default="nanogpt,testgpt", help=f"comma-separated, from {sorted(MODELS)}"
+    )
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5, help="op replays when profiling")
     ap.add_argument("--solver-runs", type=int, default=7)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--engine", choices=("region", "contexts"), default="region",
-                    help="how blocks are checkpointed with a policy: torch_sac.sac_context (default) or "
-                         "torch.utils.checkpoint with torch_sac's drop-in contexts")
+    ap.add_argument(
+        "--engine",
+        choices=("region", "contexts"),
+        default="region",
+        help="how blocks are checkpointed with a policy: torch_sac.sac_context (default) or "
+        "torch.utils.checkpoint with torch_sac's drop-in contexts",
+    )
     args = ap.parse_args()
     global ENGINE
     ENGINE = args.engine
@@ -446,13 +490,25 @@ def main():
     solver_rows = bench_solver(profile, sizes, args.solver_runs)
     print_solver(solver_rows)
 
-    fractions = (0.1, 0.5, 1.0) if args.quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-    results = {"solver": solver_rows, "models": {}, "threads": args.threads, "adapter": torch_sac.adapter()}
+    fractions = (
+        (0.1, 0.5, 1.0) if args.quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    )
+    results = {
+        "solver": solver_rows,
+        "models": {},
+        "threads": args.threads,
+        "adapter": torch_sac.adapter(),
+    }
     for name in models:
         a = model_args(name)
         rows, info = bench_tradeoff(a, fractions)
         ok = print_tradeoff(rows, info, a)
-        results["models"][name] = {"rows": rows, "info": info, "target_met": ok, "sizes": MODELS[name][2]}
+        results["models"][name] = {
+            "rows": rows,
+            "info": info,
+            "target_met": ok,
+            "sizes": MODELS[name][2],
+        }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 D, BATCH, SEQ, N_BLOCKS = 256, 8, 128, 4
 WORLD = 2
@@ -82,6 +81,7 @@ def _runs():
 # ==========================================================================
 # Worker side
 # ==========================================================================
+
 
 def _build(key, policy_name, mesh):
     import torch
@@ -150,6 +150,7 @@ def _clean(name):
 
 def _local_grads(model):
     from torch.distributed.tensor import DTensor
+
     out = {}
     for n, p in model.named_parameters():
         g = p.grad
@@ -161,31 +162,38 @@ def _local_grads(model):
 
 def _same(a, b):
     import torch
+
     if a.keys() != b.keys():
         return False
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-               for x, y in ((a[k], b[k]) for k in a))
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in ((a[k], b[k]) for k in a)
+    )
 
 
 def _worker(rank, port, out_path, warmup, steps):
     import faulthandler
+
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     import torch
     import torch_sac
     import torch_sac.memory
-    torch_sac.memory.install_counting_allocator()   # before any tensor we measure
+
+    torch_sac.memory.install_counting_allocator()  # before any tensor we measure
     torch.set_num_threads(1)
     import gc
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", port, WORLD, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
 
     runs = _runs()
@@ -199,7 +207,7 @@ def _worker(rank, port, out_path, warmup, steps):
 
     for rnd in range(warmup + steps):
         x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1000 * rnd + rank))
-        for rid, _, _ in runs:   # round robin: every config sees the same load
+        for rid, _, _ in runs:  # round robin: every config sees the same load
             model, opt = models[rid], opts[rid]
             gc.collect()
             t0 = time.perf_counter()
@@ -207,7 +215,7 @@ def _worker(rank, port, out_path, warmup, steps):
                 with torch_sac.memory.track() as fwd:
                     loss = (model(x) * w).sum()
                 loss.backward()
-            if rnd == 0:   # same weights and data for every config
+            if rnd == 0:  # same weights and data for every config
                 grads = _local_grads(model)
                 if rid == "none":
                     ref_grads = grads
@@ -222,23 +230,37 @@ def _worker(rank, port, out_path, warmup, steps):
                 res[rid]["peak"].append(whole.peak)
                 res[rid]["ms"].append(1e3 * elapsed)
 
-    summary = {rid: {"act": statistics.median(r["act"]), "peak": statistics.median(r["peak"]),
-                     "ms": statistics.median(r["ms"]), "exact": r["exact"],
-                     "act_spread": max(r["act"]) - min(r["act"])}
-               for rid, r in res.items()}
+    summary = {
+        rid: {
+            "act": statistics.median(r["act"]),
+            "peak": statistics.median(r["peak"]),
+            "ms": statistics.median(r["ms"]),
+            "exact": r["exact"],
+            "act_spread": max(r["act"]) - min(r["act"]),
+        }
+        for rid, r in res.items()
+    }
     with open(out_path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "adapter": torch_sac.adapter(), "torch": torch.__version__,
-                   "results": summary}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "adapter": torch_sac.adapter(),
+                "torch": torch.__version__,
+                "results": summary,
+            },
+            f,
+        )
     os.replace(out_path + ".tmp", out_path)
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)   # skip interpreter teardown (gloo threads)
+    os._exit(0)  # skip interpreter teardown (gloo threads)
 
 
 # ==========================================================================
 # Parent side
 # ==========================================================================
+
 
 def _tail(path, n=40):
     try:
@@ -251,10 +273,17 @@ def _tail(path, n=40):
 def _launch(warmup, steps, timeout):
     """Runs the two workers; returns their result dicts (rank order)."""
     import torch.distributed as dist
+
     # The parent hosts the rendezvous store on a port the OS picks: no
     # probe-then-bind race for a free port.
-    store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        WORLD,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
     out_dir = tempfile.mkdtemp(prefix="torch_sac_bench_dist_")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     procs, logs = [], []
@@ -262,10 +291,23 @@ def _launch(warmup, steps, timeout):
         for rank in range(WORLD):
             logs.append(os.path.join(out_dir, f"rank{rank}.log"))
             with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--worker", str(rank), str(store.port),
-                     os.path.join(out_dir, f"rank{rank}.json"), str(warmup), str(steps)],
-                    stdout=log, stderr=subprocess.STDOUT, env=env))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            os.path.abspath(__file__),
+                            "--worker",
+                            str(rank),
+                            str(store.port),
+                            os.path.join(out_dir, f"rank{rank}.json"),
+                            str(warmup),
+                            str(steps),
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
         deadline = time.monotonic() + timeout
         failure = None
         while True:
@@ -273,14 +315,15 @@ def _launch(warmup, steps, timeout):
             if all(rc == 0 for rc in rcs):
                 break
             if any(rc not in (None, 0) for rc in rcs):
-                time.sleep(2)   # let the peer notice and report
+                time.sleep(2)  # let the peer notice and report
                 failure = "worker exited: " + ", ".join(
-                    f"rank {r} rc={p.poll()}" for r, p in enumerate(procs))
+                    f"rank {r} rc={p.poll()}" for r, p in enumerate(procs)
+                )
                 break
             if time.monotonic() > deadline:
                 for p in procs:
                     if p.poll() is None:
-                        p.send_signal(signal.SIGUSR1)   # faulthandler: Python stacks to the log
+                        p.send_signal(signal.SIGUSR1)  # faulthandler: Python stacks to the log
                 time.sleep(1)
                 failure = f"timeout: no result within {timeout:.0f} s"
                 break
@@ -306,8 +349,10 @@ def _launch(warmup, steps, timeout):
 def _table(res):
     labels = {key: label for key, label, _ in CONFIGS}
     none = res["none"]
-    header = (f"{'config':<32} {'policy':<14} {'act MiB':>8} {'vs none':>8} {'vs PyTorch SAC':>15} "
-              f"{'peak MiB':>9} {'step ms':>8} {'grads exact':>12}")
+    header = (
+        f"{'config':<32} {'policy':<14} {'act MiB':>8} {'vs none':>8} {'vs PyTorch SAC':>15} "
+        f"{'peak MiB':>9} {'step ms':>8} {'grads exact':>12}"
+    )
     lines = [header, "-" * len(header)]
     for rid, key, policy in _runs():
         r = res[rid]
@@ -319,7 +364,8 @@ def _table(res):
         lines.append(
             f"{labels[key]:<32} {policy or '-':<14} {r['act'] / 2**20:>8.2f} "
             f"{r['act'] / none['act']:>7.2f}x {vs_torch:>15} {r['peak'] / 2**20:>9.2f} "
-            f"{r['ms']:>8.1f} {str(r['exact']):>12}")
+            f"{r['ms']:>8.1f} {str(r['exact']):>12}"
+        )
     return "\n".join(lines)
 
 
@@ -328,34 +374,47 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer rounds (1 warm-up, 3 measured)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="measured rounds (default 5)")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before the workers are killed")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before the workers are killed"
+    )
     args = parser.parse_args()
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (3 if args.quick else 5)
-    warmup = max(warmup, 1)   # round 0 is the gradient check
+    warmup = max(warmup, 1)  # round 0 is the gradient check
     steps = max(steps, 1)
     timeout = args.timeout or (120.0 if args.quick else 240.0)
 
     t0 = time.monotonic()
     out = _launch(warmup, steps, timeout)
     wall = time.monotonic() - t0
-    print(f"FSDP2 (fully_shard per block + root), {WORLD} gloo ranks on CPU, torch {out[0]['torch']}, "
-          f"torch_sac adapter {out[0]['adapter']}, 1 thread/rank")
-    print(f"model: {N_BLOCKS} x [LayerNorm -> Linear({D},{4 * D}) -> GELU -> Linear({4 * D},{D}) * gamma + x] "
-          f"+ head, batch {BATCH}/rank, seq {SEQ}, float32")
-    print(f"{warmup} warm-up + {steps} measured rounds (medians), configs round robin; "
-          f"act = bytes allocated after forward - before; peak = forward+backward above that start")
-    print("step ms = forward + backward + SGD step, wall clock per rank (noisy when the cores are shared)")
+    print(
+        f"FSDP2 (fully_shard per block + root), {WORLD} gloo ranks on CPU, torch {out[0]['torch']}, "
+        f"torch_sac adapter {out[0]['adapter']}, 1 thread/rank"
+    )
+    print(
+        f"model: {N_BLOCKS} x [LayerNorm -> Linear({D},{4 * D}) -> GELU -> Linear({4 * D},{D}) * gamma + x] "
+        f"+ head, batch {BATCH}/rank, seq {SEQ}, float32"
+    )
+    print(
+        f"{warmup} warm-up + {steps} measured rounds (medians), configs round robin; "
+        f"act = bytes allocated after forward - before; peak = forward+backward above that start"
+    )
+    print(
+        "step ms = forward + backward + SGD step, wall clock per rank (noisy when the cores are shared)"
+    )
     for rec in out:
         print(f"\n== rank {rec['rank']}")
         print(_table(rec["results"]))
     # Do the ranks agree? (Same model, same shard sizes: activation memory
     # should match up to the noise of gloo's threads.)
-    worst = max(abs(out[0]["results"][rid]["act"] - out[1]["results"][rid]["act"])
-                for rid, _, _ in _runs())
+    worst = max(
+        abs(out[0]["results"][rid]["act"] - out[1]["results"][rid]["act"]) for rid, _, _ in _runs()
+    )
     exact = all(rec["results"][rid]["exact"] for rec in out for rid, _, _ in _runs())
-    print(f"\nranks agree on activation memory within {worst / 2**20:.3f} MiB; "
-          f"grads exact on every rank and config: {exact}; wall time {wall:.1f} s")
+    print(
+        f"\nranks agree on activation memory within {worst / 2**20:.3f} MiB; "
+        f"grads exact on every rank and config: {exact}; wall time {wall:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -96,21 +96,41 @@ def log(msg):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="GPT-2 only (batch 4), 3 rounds: < 90 s on an H100")
-    p.add_argument("--tiny", action="store_true", help="tiny configs (for --device cpu: checks the code)")
+    p.add_argument(
+        "--quick", action="store_true", help="GPT-2 only (batch 4), 3 rounds: < 90 s on an H100"
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny configs (for --device cpu: checks the code)"
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--models", default=None, help="comma-separated subset of gpt2,llama")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="timed rounds per row (default 5; 3 with --quick or --tiny)")
-    p.add_argument("--tol", type=float, default=3e-2, help="gradient tolerance (relative to each tensor's max)")
-    p.add_argument("--plan-timeout", type=float, default=90.0,
-                   help="seconds: after a plan took longer, the model's next plans are skipped")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per row (default 5; 3 with --quick or --tiny)",
+    )
+    p.add_argument(
+        "--tol", type=float, default=3e-2, help="gradient tolerance (relative to each tensor's max)"
+    )
+    p.add_argument(
+        "--plan-timeout",
+        type=float,
+        default=90.0,
+        help="seconds: after a plan took longer, the model's next plans are skipped",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip the GPU idle measurement")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="seconds (default 190; 80 with --quick; 0: none): a soft limit; past a model's "
-                        "share of it, plans, rounds (at least one) and profiling are cut short, and a "
-                        "model that cannot start in time is skipped; the tables say so")
-    p.add_argument("--out", default=None, help="write the tables to FILE (markdown) and FILE's .json")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds (default 190; 80 with --quick; 0: none): a soft limit; past a model's "
+        "share of it, plans, rounds (at least one) and profiling are cut short, and a "
+        "model that cannot start in time is skipped; the tables say so",
+    )
+    p.add_argument(
+        "--out", default=None, help="write the tables to FILE (markdown) and FILE's .json"
+    )
     return p.parse_args(argv)
 
 
@@ -118,17 +138,32 @@ def parse_args(argv=None):
 # Models
 # --------------------------------------------------------------------------
 
+
 def model_specs(args):
     """name -> (config kwargs, batch, seq, rounds)."""
     if args.tiny:
         gpt2 = dict(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2)
-        llama = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        llama = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         return {"gpt2": (gpt2, 2, 64, args.rounds or 3), "llama": (llama, 2, 64, args.rounds or 3)}
     gpt2 = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
-    llama = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                 tie_word_embeddings=False)
+    llama = dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     if args.quick:
         return {"gpt2": (gpt2, 4, 1024, args.rounds or 3)}
     return {"gpt2": (gpt2, 8, 1024, args.rounds or 5), "llama": (llama, 8, 2048, args.rounds or 5)}
@@ -167,8 +202,11 @@ def matmul_policy_fn(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     name = op.name()
-    if name in _MATMUL_NAMES or (name.startswith("aten::") and "backward" not in name
-                                 and ("convolution" in name or "scaled_dot_product" in name)):
+    if name in _MATMUL_NAMES or (
+        name.startswith("aten::")
+        and "backward" not in name
+        and ("convolution" in name or "scaled_dot_product" in name)
+    ):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -189,7 +227,7 @@ def wrap_layers(layers, make):
 class Row:
     def __init__(self, name, install=None, plan_fraction=None):
         self.name = name
-        self.install = install          # model, layers -> undo (None: nothing to install)
+        self.install = install  # model, layers -> undo (None: nothing to install)
         self.plan_fraction = plan_fraction
         self.plan = None
         self.plan_target = None
@@ -207,12 +245,16 @@ def make_rows():
     import torch_sac
 
     def torch_ckpt(model, layers):
-        return wrap_layers(layers, lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False))
+        return wrap_layers(
+            layers, lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False)
+        )
 
     def torch_sac_baseline(model, layers):
         ctx = functools.partial(tc.create_selective_checkpoint_contexts, matmul_policy_fn)
-        return wrap_layers(layers, lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False,
-                                                               context_fn=ctx))
+        return wrap_layers(
+            layers,
+            lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
+        )
 
     def region(policy_factory):
         def install(model, layers):
@@ -222,15 +264,21 @@ def make_rows():
                 def forward(*a, **k):
                     with torch_sac.sac_context(policy):
                         return f(*a, **k)
+
                 return forward
 
             return wrap_layers(layers, make)
+
         return install
 
     def dropin(model, layers):
-        ctx = functools.partial(torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls())
-        return wrap_layers(layers, lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False,
-                                                               context_fn=ctx))
+        ctx = functools.partial(
+            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls()
+        )
+        return wrap_layers(
+            layers,
+            lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
+        )
 
     def apply_sac(model, layers):
         handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
@@ -256,6 +304,7 @@ NONE, TORCH_SAC_ROW = "no checkpointing", "PyTorch SAC, save matmuls"
 # Measuring
 # --------------------------------------------------------------------------
 
+
 class Device:
     """Memory and timing on CUDA (caching allocator, CUDA events) or, for
     --device cpu, torch_sac's counting allocator and the host clock."""
@@ -277,7 +326,11 @@ class Device:
             self.torch.cuda.synchronize()
 
     def allocated(self):
-        return self.torch.cuda.memory_allocated() if self.cuda else self.mem.cpu_memory_stats()["allocated"]
+        return (
+            self.torch.cuda.memory_allocated()
+            if self.cuda
+            else self.mem.cpu_memory_stats()["allocated"]
+        )
 
     def reset_peak(self):
         if self.cuda:
@@ -286,7 +339,11 @@ class Device:
             self.mem.reset_peak()
 
     def peak(self):
-        return self.torch.cuda.max_memory_allocated() if self.cuda else self.mem.cpu_memory_stats()["peak"]
+        return (
+            self.torch.cuda.max_memory_allocated()
+            if self.cuda
+            else self.mem.cpu_memory_stats()["peak"]
+        )
 
     def name(self):
         if self.cuda:
@@ -344,7 +401,10 @@ class Bench:
             dev.reset_peak()
             base = dev.allocated()
             if dev.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
             t0 = time.perf_counter()
             self.step(row)
@@ -359,7 +419,11 @@ class Bench:
         self.model.zero_grad(set_to_none=True)
 
     def grads(self):
-        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {
+            n: p.grad.detach().clone()
+            for n, p in self.model.named_parameters()
+            if p.grad is not None
+        }
 
     def compare(self, ref):
         """(bitwise?, max over tensors of max|g - r| / max|r|) for the
@@ -454,13 +518,17 @@ def bench_model(args, dev, name, spec, deadline):
 
     def past(fraction=1.0):
         """Whether ``fraction`` of this model's time is used up."""
-        return deadline is not None and time.perf_counter() > started + fraction * (deadline - started)
+        return deadline is not None and time.perf_counter() > started + fraction * (
+            deadline - started
+        )
 
     dtype = torch.bfloat16
     log(f"[{name}] building (batch {batch}, seq {seq}, bf16)")
     model, layers = build_model(name, cfg, dev.device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(3)).to(dev.device)
+    ids = torch.randint(
+        0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(3)
+    ).to(dev.device)
     b = Bench(args, dev, name, model, layers, ids)
     rows = make_rows()
     by_name = {r.name: r for r in rows}
@@ -474,8 +542,10 @@ def bench_model(args, dev, name, spec, deadline):
     plain_peak = none.peaks_above[-1]
     for samples in (none.peaks, none.peaks_above, none.times, none.walls):
         samples.clear()
-    log(f"[{name}] no checkpointing: step peak {fmt_bytes(plain_peak)} above "
-        f"{fmt_bytes(dev.peak() - plain_peak)} allocated before the step")
+    log(
+        f"[{name}] no checkpointing: step peak {fmt_bytes(plain_peak)} above "
+        f"{fmt_bytes(dev.peak() - plain_peak)} allocated before the step"
+    )
 
     plan_seconds = 0.0
     for row in rows:
@@ -497,8 +567,10 @@ def bench_model(args, dev, name, spec, deadline):
             row.plan = torch_sac.policies.budget(b.loss, peak_bytes=target)
             row.plan_target = target
             plan_seconds = time.perf_counter() - t
-            row.note = (f"target {fmt_bytes(target)}, planned {fmt_bytes(row.plan.measured_peak)}; "
-                        f"{row.plan.solver}, {row.plan.recomputed_ops} replays; planned in {plan_seconds:.1f} s")
+            row.note = (
+                f"target {fmt_bytes(target)}, planned {fmt_bytes(row.plan.measured_peak)}; "
+                f"{row.plan.solver}, {row.plan.recomputed_ops} replays; planned in {plan_seconds:.1f} s"
+            )
             log(f"[{name}] {row.name}: {row.note}")
         except Exception as exc:  # noqa: BLE001 - the row says why
             plan_seconds = time.perf_counter() - t
@@ -523,7 +595,7 @@ def bench_model(args, dev, name, spec, deadline):
             row.grad_err = 0.0 if bitwise else err
             row.grads = "bitwise" if bitwise else f"{'ok' if err <= args.tol else 'DIFF'} {err:.1e}"
         except Exception as exc:  # noqa: BLE001 - the row says why
-            row.error = ("OOM" if is_oom(exc) else first_line(exc))
+            row.error = "OOM" if is_oom(exc) else first_line(exc)
             recover(dev)
         log(f"[{name}] {row.name}: grads {row.grads}{' - ' + row.error if row.error else ''}")
         b.model.zero_grad(set_to_none=True)
@@ -535,7 +607,7 @@ def bench_model(args, dev, name, spec, deadline):
     done = 0
     for i in range(rounds):
         t_round = time.perf_counter()
-        order = live[i % len(live):] + live[:i % len(live)]
+        order = live[i % len(live) :] + live[: i % len(live)]
         for row in order:
             try:
                 b.measured(row)
@@ -544,11 +616,17 @@ def bench_model(args, dev, name, spec, deadline):
                 recover(dev)
         live = [r for r in live if not r.error]
         done += 1
-        log(f"[{name}] round {i + 1}/{rounds}: " + ", ".join(
-            f"{r.name.split(',')[0][:18]} {r.times[-1]:.0f}ms" for r in live[:3]) + ", ...")
+        log(
+            f"[{name}] round {i + 1}/{rounds}: "
+            + ", ".join(f"{r.name.split(',')[0][:18]} {r.times[-1]:.0f}ms" for r in live[:3])
+            + ", ..."
+        )
         # Leave a round's time (and as much again for profiling) before the deadline.
-        if deadline is not None and i + 1 < rounds and \
-                time.perf_counter() + 3 * (time.perf_counter() - t_round) > deadline:
+        if (
+            deadline is not None
+            and i + 1 < rounds
+            and time.perf_counter() + 3 * (time.perf_counter() - t_round) > deadline
+        ):
             cut.append(f"rounds ({done} of {rounds})")
             log(f"[{name}] stopping after {done} rounds: deadline")
             break
@@ -567,9 +645,18 @@ def bench_model(args, dev, name, spec, deadline):
                 row.note = (row.note + "; " if row.note else "") + f"profiler: {first_line(exc)}"
         log(f"[{name}] profiled one step per row")
 
-    header = dict(model=name, params_m=round(n_params / 1e6, 1), batch=batch, seq=seq, layers=len(layers),
-                  rounds=done, noise_floor=floor, no_ckpt_step_peak_gib=round(plain_peak / 2**30, 3),
-                  cut_short=", ".join(cut) or None, seconds=round(time.perf_counter() - started, 1))
+    header = dict(
+        model=name,
+        params_m=round(n_params / 1e6, 1),
+        batch=batch,
+        seq=seq,
+        layers=len(layers),
+        rounds=done,
+        noise_floor=floor,
+        no_ckpt_step_peak_gib=round(plain_peak / 2**30, 3),
+        cut_short=", ".join(cut) or None,
+        seconds=round(time.perf_counter() - started, 1),
+    )
     del b, model, layers
     recover(dev)
     return header, rows
@@ -579,33 +666,46 @@ def bench_model(args, dev, name, spec, deadline):
 # Output
 # --------------------------------------------------------------------------
 
+
 def table(header, rows, args):
-    med = {r.name: (statistics.median(r.peaks), statistics.median(r.times)) for r in rows if r.times}
+    med = {
+        r.name: (statistics.median(r.peaks), statistics.median(r.times)) for r in rows if r.times
+    }
     base = med.get(NONE)
     sac = med.get(TORCH_SAC_ROW)
-    md = [f"### {header['model']}: {header['params_m']}M parameters, {header['layers']} layers, "
-          f"batch {header['batch']} x seq {header['seq']}, bf16, {header['rounds']} rounds; "
-          f"gradient noise floor (no checkpointing twice): {header['noise_floor']}; "
-          f"{header['seconds']} s" + (f"; cut short by the deadline: {header['cut_short']}"
-                                      if header['cut_short'] else ""),
-          "",
-          "| row | peak | vs none | vs PyTorch SAC | step ms | vs none | vs PyTorch SAC | GPU idle | grads | note |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"### {header['model']}: {header['params_m']}M parameters, {header['layers']} layers, "
+        f"batch {header['batch']} x seq {header['seq']}, bf16, {header['rounds']} rounds; "
+        f"gradient noise floor (no checkpointing twice): {header['noise_floor']}; "
+        f"{header['seconds']} s"
+        + (f"; cut short by the deadline: {header['cut_short']}" if header["cut_short"] else ""),
+        "",
+        "| row | peak | vs none | vs PyTorch SAC | step ms | vs none | vs PyTorch SAC | GPU idle | grads | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     records = []
     for r in rows:
         rec = dict(row=r.name, error=r.error, note=r.note, grads=r.grads, grad_rel_err=r.grad_err)
         if r.name in med:
             peak, t = med[r.name]
-            rec.update(peak_bytes=peak, step_peak_above_start_bytes=statistics.median(r.peaks_above),
-                       step_ms=t, step_ms_all=r.times, host_wall_ms=statistics.median(r.walls),
-                       gpu_idle=r.idle)
+            rec.update(
+                peak_bytes=peak,
+                step_peak_above_start_bytes=statistics.median(r.peaks_above),
+                step_ms=t,
+                step_ms_all=r.times,
+                host_wall_ms=statistics.median(r.walls),
+                gpu_idle=r.idle,
+            )
 
             def ratio(x, y):
                 return f"{x / y:.2f}x" if y else "-"
 
-            rec.update(peak_vs_none=peak / base[0] if base else None, time_vs_none=t / base[1] if base else None,
-                       peak_vs_torch_sac=peak / sac[0] if sac else None,
-                       time_vs_torch_sac=t / sac[1] if sac else None)
+            rec.update(
+                peak_vs_none=peak / base[0] if base else None,
+                time_vs_none=t / base[1] if base else None,
+                peak_vs_torch_sac=peak / sac[0] if sac else None,
+                time_vs_torch_sac=t / sac[1] if sac else None,
+            )
             idle = f"{100 * r.idle:.0f}%" if r.idle is not None else "n/a"
             note = r.note
             if r.plan is not None:
@@ -614,11 +714,15 @@ def table(header, rows, args):
                 # planner measures; the peak column is absolute.
                 above = max(r.peaks_above)
                 within = "within" if above <= r.plan_target else "OVER"
-                note = (f"step peak above start {fmt_bytes(above)} ({within} target); " + note)
-                rec.update(plan_target_bytes=r.plan_target, plan_within_target=above <= r.plan_target)
-            md.append(f"| {r.name} | {fmt_bytes(peak)} | {ratio(peak, base[0]) if base else '-'} | "
-                      f"{ratio(peak, sac[0]) if sac else '-'} | {t:.1f} | {ratio(t, base[1]) if base else '-'} | "
-                      f"{ratio(t, sac[1]) if sac else '-'} | {idle} | {r.grads} | {note} |")
+                note = f"step peak above start {fmt_bytes(above)} ({within} target); " + note
+                rec.update(
+                    plan_target_bytes=r.plan_target, plan_within_target=above <= r.plan_target
+                )
+            md.append(
+                f"| {r.name} | {fmt_bytes(peak)} | {ratio(peak, base[0]) if base else '-'} | "
+                f"{ratio(peak, sac[0]) if sac else '-'} | {t:.1f} | {ratio(t, base[1]) if base else '-'} | "
+                f"{ratio(t, sac[1]) if sac else '-'} | {idle} | {r.grads} | {note} |"
+            )
         else:
             md.append(f"| {r.name} | - | - | - | - | - | - | - | - | {r.error or 'not run'} |")
         records.append(rec)
@@ -644,18 +748,28 @@ def main(argv=None):
     if args.models:
         wanted = args.models.split(",")
         specs = {k: v for k, v in specs.items() if k in wanted}
-    info = dict(device=dev.name(), torch=torch.__version__, cuda=torch.version.cuda,
-                transformers=transformers.__version__, adapter=torch_sac.adapter(),
-                python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                args=vars(args))
-    log(f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); transformers "
-        f"{info['transformers']}; torch_sac adapter {info['adapter']}; python {info['python']}")
-    out_md = [f"# torch_sac GPU benchmark\n\n{info['device']}, torch {info['torch']} (CUDA {info['cuda']}), "
-              f"transformers {info['transformers']}, torch_sac adapter `{info['adapter']}`, {info['date']}.\n",
-              "peak: torch.cuda.max_memory_allocated over one step (reset before it); step ms: CUDA "
-              "events, median over interleaved rounds; GPU idle: 1 - GPU-busy time of one profiled step "
-              "(torch.profiler CUDA activity) / median step time; grads vs no checkpointing: bitwise, or "
-              f"max |diff| / max |ref| per tensor, ok if <= {args.tol:g} (bf16).\n"]
+    info = dict(
+        device=dev.name(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+        adapter=torch_sac.adapter(),
+        python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        args=vars(args),
+    )
+    log(
+        f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); transformers "
+        f"{info['transformers']}; torch_sac adapter {info['adapter']}; python {info['python']}"
+    )
+    out_md = [
+        f"# torch_sac GPU benchmark\n\n{info['device']}, torch {info['torch']} (CUDA {info['cuda']}), "
+        f"transformers {info['transformers']}, torch_sac adapter `{info['adapter']}`, {info['date']}.\n",
+        "peak: torch.cuda.max_memory_allocated over one step (reset before it); step ms: CUDA "
+        "events, median over interleaved rounds; GPU idle: 1 - GPU-busy time of one profiled step "
+        "(torch.profiler CUDA activity) / median step time; grads vs no checkpointing: bitwise, or "
+        f"max |diff| / max |ref| per tensor, ok if <= {args.tol:g} (bf16).\n",
+    ]
     results = dict(info=info, models=[])
     deadline_s = args.deadline if args.deadline is not None else (80.0 if args.quick else 190.0)
     # Each model's share of the time left (the larger model gets the rest).

@@ -197,11 +197,14 @@ def make_variants(torch, torch_sac, fn, x, targets):
     steps = {"eager": eager_step}
     for name, cfn in context_fns.items():
         if cfn is None:
+
             def step():
                 return grad(checkpoint(fn, x, use_reentrant=False).sum(), targets)
         else:
+
             def step(cfn=cfn):
                 return grad(checkpoint(fn, x, use_reentrant=False, context_fn=cfn).sum(), targets)
+
         steps[name] = step
     return steps, context_fns
 
@@ -234,7 +237,7 @@ def count_ops(torch, torch_sac, fn, x, targets, context_fns):
 
     grad = torch.autograd.grad
     grad(checkpoint(fn, x, use_reentrant=False, context_fn=counting_contexts).sum(), targets)
-    (fwd, rec), = modes
+    ((fwd, rec),) = modes
     counts = {
         "forward": fwd.n,
         "recompute": rec.n,
@@ -374,18 +377,27 @@ def run_workers(args):
     results = {}
     for adapter in ADAPTERS:
         cmd = [
-            sys.executable, os.path.abspath(__file__), "--worker", adapter,
-            "--reps", str(args.reps),
-            "--rep-seconds", str(args.rep_seconds),
-            "--warmup-seconds", str(args.warmup_seconds),
-            "--chain-ops", str(args.chain_ops),
-            "--workloads", *args.workloads,
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            adapter,
+            "--reps",
+            str(args.reps),
+            "--rep-seconds",
+            str(args.rep_seconds),
+            "--warmup-seconds",
+            str(args.warmup_seconds),
+            "--chain-ops",
+            str(args.chain_ops),
+            "--workloads",
+            *args.workloads,
         ]
         env = dict(os.environ, TORCH_SAC_ADAPTER=adapter, OMP_NUM_THREADS="1")
         log(f"running worker: {adapter} adapter")
         # cwd: the repo root (never inside torch's site-packages).
-        proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(here),
-                              stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run(
+            cmd, env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, text=True
+        )
         if proc.returncode != 0:
             raise SystemExit(f"worker {adapter} failed with exit code {proc.returncode}")
         results[adapter] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -450,15 +462,21 @@ def fmt_ratio(x):
 
 def print_report(results, summary, args):
     any_res = next(iter(results.values()))
-    print(f"torch {any_res['torch']}, Python {any_res['python']}, CPU, "
-          f"torch.set_num_threads({any_res['threads']}); "
-          f"median of {args.reps} reps, forward+backward per step")
-    print("step µs = median over reps. added µs = median over reps of (variant - plain checkpoint), "
-          "paired within each rep;\nadded µs/op = that / ops intercepted per step (every op a "
-          "dispatch mode sees in the region, forward + recompute);\n[p25, p75] = quartiles of "
-          "those paired differences, per op.")
-    print("Ratios = torch_sac's added overhead / PyTorch SAC's, both measured in the same worker "
-          "process; 'vs same' compares callable with callable, built-in with PyTorch's op list.")
+    print(
+        f"torch {any_res['torch']}, Python {any_res['python']}, CPU, "
+        f"torch.set_num_threads({any_res['threads']}); "
+        f"median of {args.reps} reps, forward+backward per step"
+    )
+    print(
+        "step µs = median over reps. added µs = median over reps of (variant - plain checkpoint), "
+        "paired within each rep;\nadded µs/op = that / ops intercepted per step (every op a "
+        "dispatch mode sees in the region, forward + recompute);\n[p25, p75] = quartiles of "
+        "those paired differences, per op."
+    )
+    print(
+        "Ratios = torch_sac's added overhead / PyTorch SAC's, both measured in the same worker "
+        "process; 'vs same' compares callable with callable, built-in with PyTorch's op list."
+    )
     for wname, rows in summary.items():
         print()
         parts = []
@@ -468,22 +486,29 @@ def print_report(results, summary, args):
             parts.append(f"{adapter}: {w['iters_per_rep']} iters/rep")
         o = any_res["workloads"][wname]["ops"]
         if wname == "region":
-            print("== region: one op (sin) per checkpointed region, so the added time is "
-                  "mostly the fixed per-region cost (not checked against the targets)")
-        print(f"== {wname}: {o['total']} ops intercepted per step "
-              f"({o['forward']} forward + {o['recompute']} recompute, "
-              f"{o['ignored_ops']} of them SAC-ignored metadata/detach ops); "
-              + ", ".join(parts))
+            print(
+                "== region: one op (sin) per checkpointed region, so the added time is "
+                "mostly the fixed per-region cost (not checked against the targets)"
+            )
+        print(
+            f"== {wname}: {o['total']} ops intercepted per step "
+            f"({o['forward']} forward + {o['recompute']} recompute, "
+            f"{o['ignored_ops']} of them SAC-ignored metadata/detach ops); " + ", ".join(parts)
+        )
         for adapter, res in results.items():
             for name, s in res["workloads"][wname]["ops"]["torch_sac_stats"].items():
-                print(f"   [{adapter}] {name} stats: policy_calls={s['policy_calls']} "
-                      f"saved_ops={s['saved_ops']} cache_hits={s['cache_hits']} "
-                      f"recomputed_ops={s['recomputed_ops']} (sum {s['intercepted']})")
+                print(
+                    f"   [{adapter}] {name} stats: policy_calls={s['policy_calls']} "
+                    f"saved_ops={s['saved_ops']} cache_hits={s['cache_hits']} "
+                    f"recomputed_ops={s['recomputed_ops']} (sum {s['intercepted']})"
+                )
             bad = res["workloads"][wname]["grad_mismatch"]
             if bad:
                 print(f"   [{adapter}] WARNING: gradients differ from eager for: {', '.join(bad)}")
-        header = (f"{'process':<8} {'variant':<26} {'step µs':>9} {'added µs':>9} {'added µs/op':>12} "
-                  f"{'[p25, p75]':>15} {'vs torch list':>14} {'vs same':>9} {'target':>8} {'met?':>5}")
+        header = (
+            f"{'process':<8} {'variant':<26} {'step µs':>9} {'added µs':>9} {'added µs/op':>12} "
+            f"{'[p25, p75]':>15} {'vs torch list':>14} {'vs same':>9} {'target':>8} {'met?':>5}"
+        )
         print(header)
         print("-" * len(header))
         for r in rows:
@@ -502,37 +527,54 @@ def print_report(results, summary, args):
             met = "" if r["target_met"] is None else ("yes" if r["target_met"] else "NO")
             if r.get("target_borderline"):
                 met += "~"
-            print(f"{r['process']:<8} {r['variant']:<26} {r['median_us']:>9.1f} {step_added:>9} {added:>12} "
-                  f"{spread:>15} {fmt_ratio(r['ratio_vs_torch_list']):>14} "
-                  f"{fmt_ratio(r['ratio_vs_torch_same']):>9} {target:>8} {met:>5}")
+            print(
+                f"{r['process']:<8} {r['variant']:<26} {r['median_us']:>9.1f} {step_added:>9} {added:>12} "
+                f"{spread:>15} {fmt_ratio(r['ratio_vs_torch_list']):>14} "
+                f"{fmt_ratio(r['ratio_vs_torch_same']):>9} {target:>8} {met:>5}"
+            )
 
     print()
-    print("Targets (torch_sac's added overhead per op / PyTorch SAC's, same policy kind): "
-          "key adapter <= 0.1x, python adapter <= 0.5x. Verdicts use the medians; the quartile "
-          "band is the quartiles of the paired differences / PyTorch SAC's median added time.")
+    print(
+        "Targets (torch_sac's added overhead per op / PyTorch SAC's, same policy kind): "
+        "key adapter <= 0.1x, python adapter <= 0.5x. Verdicts use the medians; the quartile "
+        "band is the quartiles of the paired differences / PyTorch SAC's median added time."
+    )
     for wname, rows in summary.items():
         for r in rows:
             if r["target"] is not None:
                 verdict = "met" if r["target_met"] else "NOT met"
                 if r.get("target_borderline"):
                     verdict += " (within noise: target inside the quartile band)"
-                print(f"  {wname:<11} {r['process']:<6} {r['variant']:<22} "
-                      f"{r['ratio_vs_torch_same']:.3f}x  (quartile band "
-                      f"{r['ratio_same_p25']:.3f}-{r['ratio_same_p75']:.3f}x, target "
-                      f"<= {r['target']:g}x)  -> {verdict}")
+                print(
+                    f"  {wname:<11} {r['process']:<6} {r['variant']:<22} "
+                    f"{r['ratio_vs_torch_same']:.3f}x  (quartile band "
+                    f"{r['ratio_same_p25']:.3f}-{r['ratio_same_p75']:.3f}x, target "
+                    f"<= {r['target']:g}x)  -> {verdict}"
+                )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", choices=ADAPTERS, help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="write raw results and summary as JSON")
-    p.add_argument("--reps", type=int, default=21, help="timed repetitions per variant (default 21)")
-    p.add_argument("--rep-seconds", type=float, default=0.12,
-                   help="target duration of one rep of the slowest variant (default 0.12 s)")
-    p.add_argument("--warmup-seconds", type=float, default=0.3,
-                   help="warmup per variant (default 0.3 s)")
-    p.add_argument("--chain-ops", type=int, default=200,
-                   help="elementwise ops in the chain workload (default 200)")
+    p.add_argument(
+        "--reps", type=int, default=21, help="timed repetitions per variant (default 21)"
+    )
+    p.add_argument(
+        "--rep-seconds",
+        type=float,
+        default=0.12,
+        help="target duration of one rep of the slowest variant (default 0.12 s)",
+    )
+    p.add_argument(
+        "--warmup-seconds", type=float, default=0.3, help="warmup per variant (default 0.3 s)"
+    )
+    p.add_argument(
+        "--chain-ops",
+        type=int,
+        default=200,
+        help="elementwise ops in the chain workload (default 200)",
+    )
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--quick", action="store_true", help="smoke run: 7 short reps")
     args = p.parse_args(argv)

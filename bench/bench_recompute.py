@@ -106,8 +106,9 @@ def run_variant(variant, blocks, x, budget=None):
         out.backward()
         return region
     else:
-        with torch_sac.sac_context(torch_sac.policies.recompute_all(),
-                                   replay_budget=budget) as region:
+        with torch_sac.sac_context(
+            torch_sac.policies.recompute_all(), replay_budget=budget
+        ) as region:
             out = blocks(xin)
     out.square().mean().backward()
     return region
@@ -119,8 +120,10 @@ def peak_plan(blocks, x, target_peak):
     xin = x.clone().requires_grad_()
     torch.manual_seed(1)
     try:
-        return torch_sac.policies.budget(lambda: blocks(xin).square().mean(),
-                                         peak_bytes=target_peak - x.numel() * x.element_size())
+        return torch_sac.policies.budget(
+            lambda: blocks(xin).square().mean(),
+            peak_bytes=target_peak - x.numel() * x.element_size(),
+        )
     except ValueError as e:
         return str(e)
 
@@ -192,8 +195,10 @@ def replayed_flops(region, blocks, x):
 
 def chains(args):
     print("Part 1: one step of a chain of n blocks (CPU, one thread)")
-    header = (f"{'model':<8} {'n':>3}  {'variant':<44} {'peak MiB':>9} {'vs (c)':>7} "
-              f"{'recompute':>10} {'step ms':>8}  grads")
+    header = (
+        f"{'model':<8} {'n':>3}  {'variant':<44} {'peak MiB':>9} {'vs (c)':>7} "
+        f"{'recompute':>10} {'step ms':>8}  grads"
+    )
     print(header)
     print("-" * len(header))
     for kind in ("mlp", "gpt"):
@@ -205,22 +210,29 @@ def chains(args):
             bwd_a = step("a", blocks, x, flops=True)[1]
             ref = step("a", blocks, x)[3]
             peak_c = step("c", blocks, x)[0]
-            variants = [("a", "(a) no checkpointing", None),
-                        ("b", "(b) checkpoint per block", None),
-                        ("c", f"(c) checkpoint_sequential, {round(math.sqrt(n))} segments", None)]
+            variants = [
+                ("a", "(a) no checkpointing", None),
+                ("b", "(b) checkpoint per block", None),
+                ("c", f"(c) checkpoint_sequential, {round(math.sqrt(n))} segments", None),
+            ]
             for label, target in (("d", peak_c), ("e", peak_c // 2)):
                 budget = largest_budget_within(blocks, x, target)
                 if budget is None:
                     floor = step("d", blocks, x, budget=0)[0]
-                    print(f"{kind:<8} {n:>3}  ({label}) region at {target / MiB:.1f} MiB: below its "
-                          f"floor of {floor / MiB:.1f} MiB with a zero budget, not run")
+                    print(
+                        f"{kind:<8} {n:>3}  ({label}) region at {target / MiB:.1f} MiB: below its "
+                        f"floor of {floor / MiB:.1f} MiB with a zero budget, not run"
+                    )
                     continue
-                variants.append(("d", f"({label}) region recompute_all, budget {budget / MiB:.2f} MiB",
-                                 budget))
+                variants.append(
+                    ("d", f"({label}) region recompute_all, budget {budget / MiB:.2f} MiB", budget)
+                )
             for target, what in ((peak_c, "(c)'s peak"), (peak_c // 2, "half (c)'s peak")):
                 plan = peak_plan(blocks, x, target)
                 if isinstance(plan, str):
-                    print(f"{kind:<8} {n:>3}  (f) peak plan at {what}: {plan.split(': ', 1)[1][:90]}")
+                    print(
+                        f"{kind:<8} {n:>3}  (f) peak plan at {what}: {plan.split(': ', 1)[1][:90]}"
+                    )
                     continue
                 variants.append(("f", f"(f) peak plan at {what}", plan))
             times = {name: [] for _, name, _ in variants}
@@ -237,9 +249,11 @@ def chains(args):
                 else:
                     recompute = step(v, blocks, x, flops=True)[1] - bwd_a
                 same = all(torch.equal(g, r) for g, r in zip(grads, ref))
-                print(f"{kind:<8} {n:>3}  {name:<44} {peak / MiB:>9.2f} {peak / peak_c:>6.2f}x "
-                      f"{recompute / fwd:>9.2f}x {statistics.median(times[name]) * 1e3:>8.1f}  "
-                      f"{'bitwise' if same else 'DIFFER'}")
+                print(
+                    f"{kind:<8} {n:>3}  {name:<44} {peak / MiB:>9.2f} {peak / peak_c:>6.2f}x "
+                    f"{recompute / fwd:>9.2f}x {statistics.median(times[name]) * 1e3:>8.1f}  "
+                    f"{'bitwise' if same else 'DIFFER'}"
+                )
     print("peak: tensor memory over the step above its start (parameters' gradients included);")
     print("recompute: FLOPs recomputed in backward / FLOPs of one forward; step: median wall time")
 
@@ -258,8 +272,9 @@ def gap(args):
         layers = [nn.Linear(width, width) for _ in range(n)]
         x = torch.randn(batch, width, requires_grad=True)
         for k in (1, 2, 3, 4, 6, 8, n // 2):
-            with torch_sac.sac_context(torch_sac.policies.recompute_all(),
-                                       replay_budget=k * size) as region:
+            with torch_sac.sac_context(
+                torch_sac.policies.recompute_all(), replay_budget=k * size
+            ) as region:
                 h = x
                 for layer in layers:
                     h = torch.tanh(layer(h))
@@ -269,16 +284,22 @@ def gap(args):
             ratio = row["replayed"] / best
             worst = max(worst, ratio)
             peak = region.stats()["peak_memo_bytes"]
-            print(f"{n:>3} {k:>3} {row['replayed']:>15} {best:>8} {ratio:>6.2f}  {peak / (k * size):>18.2f}")
+            print(
+                f"{n:>3} {k:>3} {row['replayed']:>15} {best:>8} {ratio:>6.2f}  {peak / (k * size):>18.2f}"
+            )
     print(f"worst ratio to the optimum: {worst:.2f}")
 
 
 def solve_times(args):
     print()
-    print("Part 3: the peak planner's solve time (MLP blocks, dim 16, plan at 40% of the "
-          "no-checkpointing peak)")
-    header = (f"{'blocks':>6} {'op calls':>9} {'solve ms':>9} {'solver':<17} {'runs':>5} "
-              f"{'planning s':>10} {'peak / budget':>13}")
+    print(
+        "Part 3: the peak planner's solve time (MLP blocks, dim 16, plan at 40% of the "
+        "no-checkpointing peak)"
+    )
+    header = (
+        f"{'blocks':>6} {'op calls':>9} {'solve ms':>9} {'solver':<17} {'runs':>5} "
+        f"{'planning s':>10} {'peak / budget':>13}"
+    )
     print(header)
     print("-" * len(header))
     sizes = (16, 64) if args.quick else (16, 64, 256, 286)
@@ -296,11 +317,15 @@ def solve_times(args):
             fn()
         calls = region.stats()["policy_calls"]
         plan = torch_sac.policies.budget(fn, peak_bytes=int(plain * 0.4))
-        print(f"{n:>6} {calls:>9} {plan.solve_seconds * 1e3:>9.2f} {plan.solver:<17} "
-              f"{plan.planning_runs:>5} {plan.measure_seconds:>10.2f} "
-              f"{plan.measured_peak / plan.peak_bytes:>13.2f}")
-    print("solve: time the region spent choosing what each rebuild keeps in the planned step; "
-          "planning: the measured runs")
+        print(
+            f"{n:>6} {calls:>9} {plan.solve_seconds * 1e3:>9.2f} {plan.solver:<17} "
+            f"{plan.planning_runs:>5} {plan.measure_seconds:>10.2f} "
+            f"{plan.measured_peak / plan.peak_bytes:>13.2f}"
+        )
+    print(
+        "solve: time the region spent choosing what each rebuild keeps in the planned step; "
+        "planning: the measured runs"
+    )
 
 
 def main():

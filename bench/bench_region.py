@@ -87,6 +87,7 @@ def build(name, quick):
 # Variants: how one block runs.
 # --------------------------------------------------------------------------
 
+
 def plain(block, x):
     return block(x)
 
@@ -157,7 +158,9 @@ def step(blocks, x, run_block, seed):
 def measure(name, rounds, quick):
     blocks, x = build(name, quick)
     _, _, ref, _ = step(blocks, x, plain, seed=1)
-    results = {v: {"time": [], "act": None, "peak": None, "exact": None, "dropped": None} for v in VARIANTS}
+    results = {
+        v: {"time": [], "act": None, "peak": None, "exact": None, "dropped": None} for v in VARIANTS
+    }
     for r in range(rounds + 1):  # round 0 warms up
         for vname, run_block in VARIANTS.items():
             start = time.perf_counter()
@@ -194,8 +197,10 @@ def report(name, results):
             f"{(none_act - res['act']) / 1024:>10.0f} {dropped:>12} "
             f"{res['peak'] / 1024:>9.0f} {str(res['exact']):>12}"
         )
-    print("saved: no checkpointing's act minus the variant's; dropped: bytes of outputs the "
-          "regions did not hold (not a saving)")
+    print(
+        "saved: no checkpointing's act minus the variant's; dropped: bytes of outputs the "
+        "regions did not hold (not a saving)"
+    )
     ours = results["torch_sac region, matmuls"]
     t_ours = statistics.median(ours["time"])
     print(

@@ -28,8 +28,14 @@ import torch_sac
 
 transformers.logging.set_verbosity_error()
 CONFIG = transformers.LlamaConfig(
-    vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 STEPS, BATCH, SEQ = 3, 4, 64
 
 
@@ -67,19 +73,27 @@ def main():
     torch.set_num_threads(1)
     reference, plain = train(build(), "no checkpointing")
     base = plain.totals["activation_bytes"]
-    print(f"no checkpointing: activations {base / 2**20:.2f} MiB, "
-          f"peak {plain.totals['peak_bytes'] / 2**20:.2f} MiB")
+    print(
+        f"no checkpointing: activations {base / 2**20:.2f} MiB, "
+        f"peak {plain.totals['peak_bytes'] / 2**20:.2f} MiB"
+    )
 
     runs = {
-        "apply_sac save_matmuls": lambda m: torch_sac.apply_sac(m, torch_sac.policies.save_matmuls()),
+        "apply_sac save_matmuls": lambda m: torch_sac.apply_sac(
+            m, torch_sac.policies.save_matmuls()
+        ),
         "apply_sac budget 50%": lambda m: torch_sac.apply_sac(
-            m, torch_sac.policies.budget(m, input_ids=batch(0), use_cache=False, fraction=0.5)),
+            m, torch_sac.policies.budget(m, input_ids=batch(0), use_cache=False, fraction=0.5)
+        ),
         "HF activation_checkpointing_enable": lambda m: m.activation_checkpointing_enable(
             activation_checkpointing_kwargs={
                 "use_reentrant": False,
-                "context_fn": functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                                                torch_sac.policies.save_matmuls()),
-            }),
+                "context_fn": functools.partial(
+                    torch_sac.create_selective_checkpoint_contexts,
+                    torch_sac.policies.save_matmuls(),
+                ),
+            }
+        ),
     }
     all_exact = True
     for label, prepare in runs.items():
@@ -87,14 +101,18 @@ def main():
         exact = all(torch.equal(grads[n], reference[n]) for n in reference)
         all_exact = all_exact and exact
         t = prof.totals
-        print(f"\n== {label}: gradients {'bitwise equal to' if exact else 'DIFFER from'} "
-              "no checkpointing")
+        print(
+            f"\n== {label}: gradients {'bitwise equal to' if exact else 'DIFFER from'} "
+            "no checkpointing"
+        )
         # What checkpointing saved against no checkpointing, measured: not the
         # bytes the regions dropped (some of those autograd would not keep).
-        print(f"activations {t['activation_bytes'] / 2**20:.2f} MiB "
-              f"({t['activation_bytes'] / base:.2f}x of no checkpointing, "
-              f"{(base - t['activation_bytes']) / 2**20:.2f} MiB saved), "
-              f"peak {t['peak_bytes'] / 2**20:.2f} MiB, replay {t['replay_ns'] / 1e6:.1f} ms")
+        print(
+            f"activations {t['activation_bytes'] / 2**20:.2f} MiB "
+            f"({t['activation_bytes'] / base:.2f}x of no checkpointing, "
+            f"{(base - t['activation_bytes']) / 2**20:.2f} MiB saved), "
+            f"peak {t['peak_bytes'] / 2**20:.2f} MiB, replay {t['replay_ns'] / 1e6:.1f} ms"
+        )
         if prof.totals["regions"]:
             print(prof.table(max_rows=6))
     if not all_exact:

@@ -29,8 +29,12 @@ from torch_sac.models import TinyGPT
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--fraction", type=float, default=0.3,
-                        help="peak budget as a fraction of the step's peak without checkpointing")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.3,
+        help="peak budget as a fraction of the step's peak without checkpointing",
+    )
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 
@@ -72,10 +76,12 @@ def main():
         stats = region.stats()
         fits = mem.peak <= peak_bytes
         ok = ok and same and fits
-        print(f"step {step}: loss {ref_loss.item():.4f}, peak {mem.peak / 2**20:.2f} MiB "
-              f"(budget {peak_bytes / 2**20:.2f} MiB, {'fits' if fits else 'OVER'}), "
-              f"{stats['replayed_ops']} op replays, parameters "
-              f"{'bitwise equal to no checkpointing' if same else 'DIFFER'}")
+        print(
+            f"step {step}: loss {ref_loss.item():.4f}, peak {mem.peak / 2**20:.2f} MiB "
+            f"(budget {peak_bytes / 2**20:.2f} MiB, {'fits' if fits else 'OVER'}), "
+            f"{stats['replayed_ops']} op replays, parameters "
+            f"{'bitwise equal to no checkpointing' if same else 'DIFFER'}"
+        )
     sys.exit(0 if ok else 1)
 
 

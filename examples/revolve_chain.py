@@ -93,13 +93,15 @@ def main():
 
     steps = reversal(0, n - 1, slots)
     schedule = torch_sac.ReplaySchedule(
-        [(tanh_key(i), [tanh_key(k) for k in keep]) for i, keep in steps])
+        [(tanh_key(i), [tanh_key(k) for k in keep]) for i, keep in steps]
+    )
     print(f"chain of {n} steps, {slots} tensors held at most: {len(steps)} rebuilds")
     for i, keep in steps:
         print(f"  rebuild x_{i:<3} keep {', '.join(f'x_{k}' for k in keep) or '-'}")
 
-    with torch_sac.sac_context(torch_sac.policies.recompute_all(),
-                               replay_schedule=schedule) as region:
+    with torch_sac.sac_context(
+        torch_sac.policies.recompute_all(), replay_schedule=schedule
+    ) as region:
         out = forward()
     out.sum().backward()
     got = grads()
@@ -109,10 +111,14 @@ def main():
     step_bytes = x.numel() * x.element_size()
     held = region.stats()["peak_memo_bytes"] // step_bytes
     bitwise = all(torch.equal(a, b) for a, b in zip(got, expected))
-    print(f"recomputed {tanh['replayed']} steps (optimum {optimum}); "
-          f"per step: {tanh['replays_by_call']}")
-    print(f"held at most {held} rebuilt tensors (slots {slots}); "
-          f"gradients {'bitwise equal to' if bitwise else 'DIFFERENT from'} plain autograd")
+    print(
+        f"recomputed {tanh['replayed']} steps (optimum {optimum}); "
+        f"per step: {tanh['replays_by_call']}"
+    )
+    print(
+        f"held at most {held} rebuilt tensors (slots {slots}); "
+        f"gradients {'bitwise equal to' if bitwise else 'DIFFERENT from'} plain autograd"
+    )
     ok = tanh["replayed"] == optimum and held <= slots and bitwise
     ok = ok and region.replay_schedule() == schedule
     print("schedule executed exactly" if ok else "FAILED")

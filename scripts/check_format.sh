@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Checks that every C++ source and header is formatted by .clang-format;
-# exits non-zero, listing the differences, when one is not.
+# Checks that every C++ source and header is formatted by .clang-format and
+# that the Python sources pass ruff (lint and format, configured in
+# pyproject.toml); exits non-zero, listing the differences, when one does not.
 #
 #   scripts/check_format.sh          check (CI)
 #   scripts/check_format.sh --fix    format the files in place
@@ -71,9 +72,25 @@ if [[ ${#FILES[@]} -eq 0 ]]; then
   exit 2
 fi
 
+# ruff, pinned the same way; found in $PYTHON's environment or installed
+# into the same local venv.
+RUFF_PIN="$(sed -n 's/^ruff==\([0-9.]*\).*/\1/p' requirements-dev.txt)"
+RUFF="${scripts_dir:-}/ruff"
+ruff_version() { "$1" --version 2>/dev/null | sed -n 's/^ruff \([0-9.]*\).*/\1/p'; }
+if [[ ! -x "$RUFF" || "$(ruff_version "$RUFF")" != "$RUFF_PIN" ]]; then
+  RUFF="$LOCAL_VENV/bin/ruff"
+  if [[ ! -x "$RUFF" || "$(ruff_version "$RUFF")" != "$RUFF_PIN" ]]; then
+    [[ -x "$LOCAL_VENV/bin/pip" ]] || "$PYTHON" -m venv "$LOCAL_VENV"
+    "$LOCAL_VENV/bin/pip" install --quiet "ruff==$RUFF_PIN"
+  fi
+fi
+PY_DIRS=(torch_sac tests bench scripts examples setup.py)
+
 if [[ $FIX -eq 1 ]]; then
   "$CF" -i --style=file "${FILES[@]}"
-  echo "check_format: formatted ${#FILES[@]} files with clang-format $PIN"
+  "$RUFF" check --fix "${PY_DIRS[@]}"
+  "$RUFF" format "${PY_DIRS[@]}"
+  echo "check_format: formatted ${#FILES[@]} C++ files (clang-format $PIN) and the Python sources (ruff $RUFF_PIN)"
   exit 0
 fi
 
@@ -81,5 +98,11 @@ if "$CF" --dry-run --Werror --style=file "${FILES[@]}"; then
   echo "check_format: ${#FILES[@]} files formatted (clang-format $PIN)"
 else
   echo "check_format: files above are not formatted; run scripts/check_format.sh --fix" >&2
+  exit 1
+fi
+if "$RUFF" check "${PY_DIRS[@]}" && "$RUFF" format --check "${PY_DIRS[@]}"; then
+  echo "check_format: Python sources pass ruff $RUFF_PIN (lint and format)"
+else
+  echo "check_format: ruff found the problems above; run scripts/check_format.sh --fix" >&2
   exit 1
 fi

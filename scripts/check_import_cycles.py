@@ -56,7 +56,8 @@ def imports_of(tree, current, is_package, modules):
                 # IGNORED_OPS` imports a name of the package.
                 found.add(candidate if candidate in modules else base)
     return {m for m in found if m in modules and m != current} | (
-        {current} if current in found and current.count(".") else set())
+        {current} if current in found and current.count(".") else set()
+    )
 
 
 def strongly_connected(graph):
@@ -108,7 +109,9 @@ def main(argv):
     root = Path(args[0] if args else Path(__file__).resolve().parent.parent / "torch_sac")
     package = root.name
     files = {module_name(package, p, root): p for p in sorted(root.rglob("*.py"))}
-    extensions = {f"{package}.{p.name.split('.')[0]}" for p in root.glob("*.so")} | {f"{package}._C"}
+    extensions = {f"{package}.{p.name.split('.')[0]}" for p in root.glob("*.so")} | {
+        f"{package}._C"
+    }
     modules = set(files) | extensions
     graph = {name: set() for name in extensions}
     for name, path in files.items():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up, then runs every test: GoogleTest (C++), the C++ example against
+# Sets up, then runs the checks (formatting, docs, import cycles) and every
+# test: GoogleTest (C++), the C++ example against
 # the installed package, and pytest under both interception adapters on the
 # primary torch (the one setup.sh keeps or installs); then the whole Python
 # suite on the oldest and the newest supported torch, each from PyPI in its
@@ -12,6 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+
+# Checks that need no test run: C++ formatting, the docs (Sphinx, warnings
+# as errors) and the package's import layering.
+bash scripts/check_format.sh
+bash scripts/build_docs.sh
+python scripts/check_import_cycles.py
 
 ctest --test-dir build/cmake --output-on-failure -j2
 # The C++ API as a user gets it: installed, then consumed by a separate project.

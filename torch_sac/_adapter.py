@@ -27,9 +27,7 @@ _ENV = "TORCH_SAC_ADAPTER"
 def _select():
     requested = os.environ.get(_ENV, "auto").strip().lower() or "auto"
     if requested not in ("auto", "key", "python"):
-        raise ValueError(
-            f"torch_sac: {_ENV}={requested!r} is not one of 'auto', 'key', 'python'"
-        )
+        raise ValueError(f"torch_sac: {_ENV}={requested!r} is not one of 'auto', 'key', 'python'")
     if requested == "python":
         return "python", f"{_ENV}=python"
     reason = _C.key_adapter_unavailable_reason()

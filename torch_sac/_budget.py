@@ -23,14 +23,14 @@ class PlanItem:
     __slots__ = ("op", "call_index", "cost", "bytes", "new_bytes", "saveable", "why_not", "saved")
 
     def __init__(self, op, call_index, cost, bytes, new_bytes, saveable, why_not, saved):
-        self.op = op                  # OpOverload
+        self.op = op  # OpOverload
         self.call_index = call_index  # per op overload, within the region
-        self.cost = cost              # recompute cost (seconds or FLOPs)
-        self.bytes = bytes            # bytes of the region storages its outputs keep
-        self.new_bytes = new_bytes    # of which it allocated itself (0: view / in-place)
+        self.cost = cost  # recompute cost (seconds or FLOPs)
+        self.bytes = bytes  # bytes of the region storages its outputs keep
+        self.new_bytes = new_bytes  # of which it allocated itself (0: view / in-place)
         self.saveable = saveable
         self.why_not = why_not
-        self.saved = saved            # MUST_SAVE in the plan
+        self.saved = saved  # MUST_SAVE in the plan
 
     @property
     def key(self):
@@ -56,11 +56,11 @@ class PlanRow:
     __slots__ = ("item", "folded", "cost", "value", "bytes")
 
     def __init__(self, item, folded, cost, value, bytes):
-        self.item = item      # PlanItem of the call that allocated the storage
+        self.item = item  # PlanItem of the call that allocated the storage
         self.folded = folded  # PlanItems of the views / in-place ops using it
-        self.cost = cost      # recompute cost of item and folded calls
-        self.value = value    # of which saving could avoid (saveable calls)
-        self.bytes = bytes    # bytes of the region storages the calls keep
+        self.cost = cost  # recompute cost of item and folded calls
+        self.value = value  # of which saving could avoid (saveable calls)
+        self.bytes = bytes  # bytes of the region storages the calls keep
 
     @property
     def calls(self):
@@ -89,7 +89,7 @@ def _fold(profile, items):
     without grad) has no such row: the first call using it heads one.
     """
     storages = profile.storages
-    groups = []    # per row: [(record, item) of its head, then of each folded call]
+    groups = []  # per row: [(record, item) of its head, then of each folded call]
     group_of = {}  # storage index -> the group of the row holding it
     outside = []
     for r, it in zip(profile.records, items):
@@ -108,13 +108,15 @@ def _fold(profile, items):
     for group in groups:
         calls = [it for _, it in group]
         kept = {s for r, _ in group for s in r.storages if storages[s].internal}
-        rows.append(PlanRow(
-            item=calls[0],
-            folded=calls[1:],
-            cost=sum(it.cost for it in calls),
-            value=sum(it.cost for it in calls if it.saveable),
-            bytes=sum(storages[s].nbytes for s in kept),
-        ))
+        rows.append(
+            PlanRow(
+                item=calls[0],
+                folded=calls[1:],
+                cost=sum(it.cost for it in calls),
+                value=sum(it.cost for it in calls if it.saveable),
+                bytes=sum(storages[s].nbytes for s in kept),
+            )
+        )
     return rows, outside
 
 
@@ -267,7 +269,15 @@ class BudgetPolicy(_C.SavedCallsPolicy):
 
     def with_budget(self, *, bytes=None, fraction=None, solver="auto", max_states=None):
         """The plan for another budget, from the same profile (no new run of ``fn``)."""
-        return _plan(self._profile, self.cost, bytes, fraction, solver, max_states, "BudgetPolicy.with_budget")
+        return _plan(
+            self._profile,
+            self.cost,
+            bytes,
+            fraction,
+            solver,
+            max_states,
+            "BudgetPolicy.with_budget",
+        )
 
     def is_saved(self, op, call_index):
         """Whether the plan saves call ``call_index`` of ``op`` (an OpOverload)."""
@@ -277,7 +287,13 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         if self.cost == "time":
             scales = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
         else:
-            scales = (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3), ("FLOP", 1.0))
+            scales = (
+                ("TFLOP", 1e12),
+                ("GFLOP", 1e9),
+                ("MFLOP", 1e6),
+                ("kFLOP", 1e3),
+                ("FLOP", 1.0),
+            )
         for unit, scale in scales:
             if abs(c) >= scale:
                 break
@@ -306,7 +322,11 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             f"{format_bytes(self.activation_bytes)}, everything {format_bytes(self.total_bytes)}); "
             f"avoids {self._fmt_cost(self.avoided_cost)} of {self._fmt_cost(self.total_cost)} "
             f"recompute ({pct(self.avoided_cost, self.total_cost)}); solver {self.solver}"
-            + (", optimal" if self.optimal else f", within {self._fmt_cost(self.upper_bound - self.avoided_cost)} of optimal")
+            + (
+                ", optimal"
+                if self.optimal
+                else f", within {self._fmt_cost(self.upper_bound - self.avoided_cost)} of optimal"
+            )
             + (f" ({self.solver_note})" if self.solver_note else "")
         )
 
@@ -339,10 +359,13 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             fold (bool): if ``False``, one row per op call in region order,
                 as in :attr:`items`, with the bytes each keeps and allocates.
         """
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
-                                     or max_rows < 0):
-            raise ValueError(f"torch_sac.BudgetPolicy.table: max_rows must be an int >= 0 or None, "
-                             f"got {max_rows!r}")
+        if max_rows is not None and (
+            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0
+        ):
+            raise ValueError(
+                f"torch_sac.BudgetPolicy.table: max_rows must be an int >= 0 or None, "
+                f"got {max_rows!r}"
+            )
         lines = self._folded_lines(max_rows) if fold else self._call_lines(max_rows)
         return "\n".join(lines + self._summary_lines())
 
@@ -356,9 +379,17 @@ class BudgetPolicy(_C.SavedCallsPolicy):
                 # A view taken after its base's last in-place write can be
                 # saved though the base cannot: it keeps the base's storage.
                 decision += f"; SAVE {saved_folded} folded"
-            cells.append((_op_name(row.item.op), str(row.item.call_index), self._fmt_cost(row.cost),
-                          self._share(row.cost), format_bytes(row.bytes), decision,
-                          _folded_names(row.folded)))
+            cells.append(
+                (
+                    _op_name(row.item.op),
+                    str(row.item.call_index),
+                    self._fmt_cost(row.cost),
+                    self._share(row.cost),
+                    format_bytes(row.bytes),
+                    decision,
+                    _folded_names(row.folded),
+                )
+            )
         lines = [
             f"{len(self.items)} op calls in {len(self.rows)} rows, most valuable first (value: the "
             "recompute cost saving the row avoids);",
@@ -366,15 +397,16 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             "to its row",
             *_render(("op", "call", "cost", "share", "bytes", "decision", "folded into it"), cells),
         ]
-        hidden = self.rows[len(shown):]
+        hidden = self.rows[len(shown) :]
         if hidden:
             line = self._more_line(len(hidden), "rows", [it for row in hidden for it in row.calls])
             unsaveable = [row for row in hidden if row.value == 0 and row.cost > 0]
             if unsaveable:
                 # Sorted last, they may hold much of the cost: say so.
                 cost = sum(row.cost for row in unsaveable)
-                line += (f"; {len(unsaveable)} of them cannot be saved "
-                         f"({self._share(cost)} of the cost)")
+                line += (
+                    f"; {len(unsaveable)} of them cannot be saved ({self._share(cost)} of the cost)"
+                )
             lines.append(line)
         if self.outside_calls:
             cost = sum(it.cost for it in self.outside_calls)
@@ -382,18 +414,30 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             lines.append(
                 f"{len(self.outside_calls)} op calls keep no region memory (on parameters, buffers or "
                 f"inputs), not shown: {_folded_names(self.outside_calls)}; {self._share(cost)} of the "
-                f"cost; {saved} saved (free)")
+                f"cost; {saved} saved (free)"
+            )
         return lines
 
     def _call_lines(self, max_rows):
         shown = self.items[:max_rows]
-        cells = [(str(i), _op_name(it.op), str(it.call_index), self._fmt_cost(it.cost),
-                  self._share(it.cost), format_bytes(it.bytes), format_bytes(it.new_bytes),
-                  _decision(it))
-                 for i, it in enumerate(shown)]
-        lines = [f"{len(self.items)} op calls, in region order",
-                 *_render(("#", "op", "call", "cost", "share", "keeps", "allocates", "decision"), cells)]
-        hidden = self.items[len(shown):]
+        cells = [
+            (
+                str(i),
+                _op_name(it.op),
+                str(it.call_index),
+                self._fmt_cost(it.cost),
+                self._share(it.cost),
+                format_bytes(it.bytes),
+                format_bytes(it.new_bytes),
+                _decision(it),
+            )
+            for i, it in enumerate(shown)
+        ]
+        lines = [
+            f"{len(self.items)} op calls, in region order",
+            *_render(("#", "op", "call", "cost", "share", "keeps", "allocates", "decision"), cells),
+        ]
+        hidden = self.items[len(shown) :]
         if hidden:
             lines.append(self._more_line(len(hidden), "calls", hidden))
         return lines
@@ -401,9 +445,11 @@ class BudgetPolicy(_C.SavedCallsPolicy):
     def _more_line(self, count, what, items):
         cost = sum(it.cost for it in items)
         saved = sum(it.saved for it in items)
-        return (f"... {count} more {what}: {self._share(cost)} of the cost, "
-                f"{format_bytes(self._bytes_of(items))}"
-                + (f", {saved} saved call{'s' if saved != 1 else ''}" if saved else ""))
+        return (
+            f"... {count} more {what}: {self._share(cost)} of the cost, "
+            f"{format_bytes(self._bytes_of(items))}"
+            + (f", {saved} saved call{'s' if saved != 1 else ''}" if saved else "")
+        )
 
     def _summary_lines(self):
         budget = format_bytes(self.budget_bytes)
@@ -414,24 +460,37 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             solver = (f"{self.solver}, optimal", "proven: no plan within the budget avoids more")
         else:
             gap = self._fmt_cost(self.upper_bound - self.avoided_cost)
-            solver = (f"{self.solver}, within {gap} of optimal",
-                      "at most this much more could be avoided (a proven bound)"
-                      + (f" ({self.solver_note})" if self.solver_note else ""))
+            solver = (
+                f"{self.solver}, within {gap} of optimal",
+                "at most this much more could be avoided (a proven bound)"
+                + (f" ({self.solver_note})" if self.solver_note else ""),
+            )
         terms = [
             ("budget", budget, "the most region memory the saved calls may keep"),
-            ("saved", f"{format_bytes(self.saved_bytes)}, {len(self.chosen)} of {len(self.items)} calls",
-             "region memory the saved calls keep for backward (storages counted once)"),
-            ("activations", format_bytes(self.activation_bytes),
-             "what autograd keeps for backward without checkpointing"),
+            (
+                "saved",
+                f"{format_bytes(self.saved_bytes)}, {len(self.chosen)} of {len(self.items)} calls",
+                "region memory the saved calls keep for backward (storages counted once)",
+            ),
+            (
+                "activations",
+                format_bytes(self.activation_bytes),
+                "what autograd keeps for backward without checkpointing",
+            ),
             ("everything", format_bytes(self.total_bytes), "what saving every call would keep"),
-            ("avoided", f"{self._fmt_cost(self.avoided_cost)} of {self._fmt_cost(self.total_cost)} "
-             f"({self._share(self.avoided_cost)})",
-             f"recompute cost of the saved calls, of all calls ({measure})"),
+            (
+                "avoided",
+                f"{self._fmt_cost(self.avoided_cost)} of {self._fmt_cost(self.total_cost)} "
+                f"({self._share(self.avoided_cost)})",
+                f"recompute cost of the saved calls, of all calls ({measure})",
+            ),
             ("solver", *solver),
         ]
         name_w = max(len(t[0]) for t in terms)
         value_w = max(len(t[1]) for t in terms)
-        return [f"{name:<{name_w}}  {value:<{value_w}}  {meaning}" for name, value, meaning in terms]
+        return [
+            f"{name:<{name_w}}  {value:<{value_w}}  {meaning}" for name, value, meaning in terms
+        ]
 
     def __repr__(self):
         return f"<torch_sac BudgetPolicy: {self.summary()}>"
@@ -457,15 +516,28 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
     kwargs = {}
     if max_states is not None:
         if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states <= 0:
-            raise ValueError(f"torch_sac.{where}: max_states must be a positive int, got {max_states!r}")
+            raise ValueError(
+                f"torch_sac.{where}: max_states must be a positive int, got {max_states!r}"
+            )
         kwargs["max_states"] = max_states
     solution = _C.budget_solve(storage_bytes, values, item_storages, budget_bytes, solver, **kwargs)
     solution["candidates"] = candidates
     return BudgetPolicy(profile, cost, budget_bytes, solution, fraction)
 
 
-def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="time",
-           solver="auto", repeats=3, max_states=None, modules=None, **example_kwargs):
+def budget(
+    fn,
+    *example_args,
+    bytes=None,
+    fraction=None,
+    peak_bytes=None,
+    cost="time",
+    solver="auto",
+    repeats=3,
+    max_states=None,
+    modules=None,
+    **example_kwargs,
+):
     r"""A policy that keeps as much recompute away as a memory budget allows.
 
     Runs ``fn(*example_args)`` once (a profiling forward, grad enabled) and
@@ -567,17 +639,21 @@ def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="
     """
     where = "policies.budget"
     if not callable(fn):
-        raise TypeError(f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})")
+        raise TypeError(
+            f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})"
+        )
     if peak_bytes is not None:
         if bytes is not None or fraction is not None or modules is not None:
             raise ValueError(
                 f"torch_sac.{where}: peak_bytes plans fn as one region: pass it without bytes, "
-                "fraction or modules")
+                "fraction or modules"
+            )
         if cost != "time" or solver != "auto" or repeats != 3 or max_states is not None:
             raise ValueError(
                 f"torch_sac.{where}: cost, solver, repeats and max_states are for bytes/fraction "
                 "plans; a peak_bytes plan measures peaks and weighs replays by the region's "
-                "estimated cost")
+                "estimated cost"
+            )
         return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)
     _check_budget(bytes, fraction, where)
     _check_choice(cost, _COSTS, "cost", where)
@@ -585,11 +661,26 @@ def budget(fn, *example_args, bytes=None, fraction=None, peak_bytes=None, cost="
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
         raise ValueError(f"torch_sac.{where}: repeats must be an int >= 0, got {repeats!r}")
     if isinstance(fn, torch.nn.Module) and (modules is not None or _has_blocks(fn)):
-        return _model_budget(fn, example_args, example_kwargs, modules, cost, bytes, fraction,
-                             solver, repeats, max_states, where)
-    profile, _ = profile_region(fn, example_args, example_kwargs,
-                                repeats=repeats if cost == "time" else 0,
-                                count_flops=cost == "flops")
+        return _model_budget(
+            fn,
+            example_args,
+            example_kwargs,
+            modules,
+            cost,
+            bytes,
+            fraction,
+            solver,
+            repeats,
+            max_states,
+            where,
+        )
+    profile, _ = profile_region(
+        fn,
+        example_args,
+        example_kwargs,
+        repeats=repeats if cost == "time" else 0,
+        count_flops=cost == "flops",
+    )
     return _plan(profile, cost, bytes, fraction, solver, max_states, where)
 
 
@@ -604,6 +695,7 @@ def _signature(module, args, kwargs):
     """What makes two block calls plannable by one plan: the class, the
     parameters' shapes and dtypes, and the arguments' shapes and dtypes (or
     values, for non-tensors)."""
+
     def describe(v):
         if isinstance(v, torch.Tensor):
             return ("tensor", tuple(v.shape), v.dtype, v.requires_grad)
@@ -612,8 +704,12 @@ def _signature(module, args, kwargs):
         return ("value", repr(v))
 
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-    return (type(module), params, describe(args),
-            tuple(sorted((k, describe(v)) for k, v in kwargs.items())))
+    return (
+        type(module),
+        params,
+        describe(args),
+        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
+    )
 
 
 def _detached(v):
@@ -626,8 +722,9 @@ def _detached(v):
     return v
 
 
-def _model_budget(model, args, kwargs, modules, cost, bytes_, fraction, solver, repeats,
-                  max_states, where):
+def _model_budget(
+    model, args, kwargs, modules, cost, bytes_, fraction, solver, repeats, max_states, where
+):
     blocks = select_blocks(model, modules)
     calls = {}
 
@@ -646,16 +743,21 @@ def _model_budget(model, args, kwargs, modules, cost, bytes_, fraction, solver, 
     if missing:
         raise RuntimeError(
             f"torch_sac.{where}: {len(missing)} of the model's {len(blocks)} blocks did not run "
-            "in the example call; pass example arguments that run every block")
+            "in the example call; pass example arguments that run every block"
+        )
     plans = {}
     by_block = {}
     for block in blocks:
         block_args, block_kwargs = calls[block]
         key = _signature(block, block_args, block_kwargs)
         if key not in plans:
-            profile, _ = profile_region(block, block_args, block_kwargs,
-                                        repeats=repeats if cost == "time" else 0,
-                                        count_flops=cost == "flops")
+            profile, _ = profile_region(
+                block,
+                block_args,
+                block_kwargs,
+                repeats=repeats if cost == "time" else 0,
+                count_flops=cost == "flops",
+            )
             plans[key] = _plan(profile, cost, bytes_, fraction, solver, max_states, where)
         by_block[block] = plans[key]
     names = {m: n for n, m in model.named_modules()}
@@ -681,7 +783,8 @@ class ModelBudget:
         except KeyError:
             raise KeyError(
                 f"torch_sac: no budget plan for {self._names.get(module, module)!r}: it was not "
-                "among the blocks planned") from None
+                "among the blocks planned"
+            ) from None
 
     @property
     def plans(self):
@@ -720,8 +823,10 @@ class ModelBudget:
 
     def __repr__(self):
         distinct = len({id(p) for p in self._by_block.values()})
-        return (f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "
-                f"saved {self.saved_bytes} of budget {self.budget_bytes} bytes)")
+        return (
+            f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "
+            f"saved {self.saved_bytes} of budget {self.budget_bytes} bytes)"
+        )
 
 
 def _name_ranges(names):

@@ -89,8 +89,9 @@ def sac_ignored_ops():
 # torch >= 2.14: checkpoint() takes respect_saved_tensors_hooks (whether
 #   tensors SAC saves go through saved_tensors_hooks entered around it);
 # torch <= 2.13: it does not, and behaves as respect_saved_tensors_hooks=False.
-CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS = "respect_saved_tensors_hooks" in \
-    inspect.signature(_torch_checkpoint.checkpoint).parameters
+CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS = (
+    "respect_saved_tensors_hooks" in inspect.signature(_torch_checkpoint.checkpoint).parameters
+)
 
 
 # --- torch.utils.checkpoint closing context_fn's contexts on error ------------
@@ -102,7 +103,8 @@ CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS = "respect_saved_tensors_hooks" in 
 _CHECKPOINT_CODE = inspect.unwrap(_torch_checkpoint.checkpoint).__code__
 CHECKPOINT_CLOSES_CONTEXTS_ON_ERROR = "throw" in _CHECKPOINT_CODE.co_names
 _CONTEXT_GENERATOR_CODE = getattr(
-    _torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    _torch_checkpoint, "_checkpoint_without_reentrant_generator", None
+)
 _CONTEXT_GENERATOR_CODE = getattr(_CONTEXT_GENERATOR_CODE, "__code__", None)
 
 

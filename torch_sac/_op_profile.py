@@ -208,8 +208,13 @@ class _ProfileMode(TorchDispatchMode):
 def cuda_devices(values):
     """Indices of the CUDA devices of the tensors in ``values`` (a pytree),
     sorted: the devices whose RNG state a run on them may change."""
-    return sorted({t.device.index or 0 for t in tree_leaves(values)
-                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return sorted(
+        {
+            t.device.index or 0
+            for t in tree_leaves(values)
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        }
+    )
 
 
 def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
@@ -241,7 +246,8 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
             if t._version != version:
                 record.saveable = False
                 record.why_not = (
-                    "in-place op" if record.op._schema.is_mutable
+                    "in-place op"
+                    if record.op._schema.is_mutable
                     else "output mutated in place later"
                 )
                 break

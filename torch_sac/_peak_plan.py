@@ -158,9 +158,24 @@ class PeakPlan(RegionPlan):
           plan.
     """
 
-    def __init__(self, *, peak_bytes, measured_peak, no_checkpoint_peak, replay_budget, saved,
-                 schedule, recomputed_ops, recompute_seconds, forward_seconds, replays_by_op,
-                 solver, solve_seconds, measure_seconds, runs):
+    def __init__(
+        self,
+        *,
+        peak_bytes,
+        measured_peak,
+        no_checkpoint_peak,
+        replay_budget,
+        saved,
+        schedule,
+        recomputed_ops,
+        recompute_seconds,
+        forward_seconds,
+        replays_by_op,
+        solver,
+        solve_seconds,
+        measure_seconds,
+        runs,
+    ):
         self.peak_bytes = peak_bytes
         self.measured_peak = measured_peak
         self.no_checkpoint_peak = no_checkpoint_peak
@@ -222,7 +237,8 @@ class PeakPlan(RegionPlan):
             f"{format_bytes(self.no_checkpoint_peak)})",
             f"  backward holds at most {format_bytes(self.replay_budget.bytes)} of kept and "
             f"rebuilt tensors (checkpoint share {self.replay_budget.checkpoint_share:g})"
-            if self.replay_budget else "  nothing dropped",
+            if self.replay_budget
+            else "  nothing dropped",
             f"  recompute: {self.recomputed_ops} op replays, {self.recompute_seconds * 1e3:.2f} ms "
             f"({ratio:.2f}x one forward)",
             f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
@@ -231,7 +247,9 @@ class PeakPlan(RegionPlan):
         ]
         rows = []
         for op, replays in self.replays_by_op.items():
-            rows.append((op, saved_by_op.get(op, 0), len(replays), sum(replays), max(replays, default=0)))
+            rows.append(
+                (op, saved_by_op.get(op, 0), len(replays), sum(replays), max(replays, default=0))
+            )
         rows.sort(key=lambda r: (-r[3], r[0]))
         if rows:
             lines.append(f"  {'op':<40} {'calls':>6} {'kept':>6} {'replays':>8} {'most/call':>10}")
@@ -256,10 +274,25 @@ class PeakPlan(RegionPlan):
     def from_dict(cls, data):
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"torch_sac.PeakPlan.from_dict: not a {FORMAT} dict (format {found!r})")
-        names = ("peak_bytes", "measured_peak", "no_checkpoint_peak", "recomputed_ops",
-                 "recompute_seconds", "forward_seconds", "replays_by_op", "solver",
-                 "solve_seconds", "measure_seconds", "runs", "replay_budget", "saved", "schedule")
+            raise ValueError(
+                f"torch_sac.PeakPlan.from_dict: not a {FORMAT} dict (format {found!r})"
+            )
+        names = (
+            "peak_bytes",
+            "measured_peak",
+            "no_checkpoint_peak",
+            "recomputed_ops",
+            "recompute_seconds",
+            "forward_seconds",
+            "replays_by_op",
+            "solver",
+            "solve_seconds",
+            "measure_seconds",
+            "runs",
+            "replay_budget",
+            "saved",
+            "schedule",
+        )
         missing = [k for k in names if k not in data]
         if missing:
             raise ValueError(f"torch_sac.PeakPlan.from_dict: the {FORMAT} dict lacks {missing}")
@@ -267,15 +300,19 @@ class PeakPlan(RegionPlan):
         if budget is not None and not isinstance(budget, (list, tuple)):
             raise ValueError(
                 "torch_sac.PeakPlan.from_dict: replay_budget must be null or "
-                f"[bytes, counts_saved, checkpoint_share], got {budget!r}")
+                f"[bytes, counts_saved, checkpoint_share], got {budget!r}"
+            )
         if saved is not None and not isinstance(saved, (list, tuple)):
             raise ValueError(
                 f"torch_sac.PeakPlan.from_dict: saved must be null or a list of [op, call_index], "
-                f"got {saved!r}")
-        return cls(**{k: data[k] for k in names[:11]},
-                   replay_budget=None if budget is None else ReplayBudget(*budget),
-                   saved=None if saved is None else [as_call(c) for c in saved],
-                   schedule=ReplaySchedule.from_dict(data["schedule"]))
+                f"got {saved!r}"
+            )
+        return cls(
+            **{k: data[k] for k in names[:11]},
+            replay_budget=None if budget is None else ReplayBudget(*budget),
+            saved=None if saved is None else [as_call(c) for c in saved],
+            schedule=ReplaySchedule.from_dict(data["schedule"]),
+        )
 
     def save(self, path):
         write_json(path, self.to_dict())
@@ -285,15 +322,18 @@ class PeakPlan(RegionPlan):
         return cls.from_dict(read_json(path))
 
     def __repr__(self):
-        return (f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
-                f"{format_bytes(self.peak_bytes)}, {self.recomputed_ops} op replays, {self.solver}>")
+        return (
+            f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
+            f"{format_bytes(self.peak_bytes)}, {self.recomputed_ops} op replays, {self.solver}>"
+        )
 
 
 class _Run:
     """One measured forward+backward of fn."""
 
-    def __init__(self, peak, seconds, forward_seconds, output_device, stats=None, schedule=None,
-                 details=()):
+    def __init__(
+        self, peak, seconds, forward_seconds, output_device, stats=None, schedule=None, details=()
+    ):
         self.peak = peak
         self.seconds = seconds
         self.forward_seconds = forward_seconds
@@ -352,8 +392,9 @@ def _referenced(roots):
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
             continue
-        if depth >= _REFERENCE_DEPTH or isinstance(obj, (type, types.ModuleType, str, bytes,
-                                                          numbers.Number)):
+        if depth >= _REFERENCE_DEPTH or isinstance(
+            obj, (type, types.ModuleType, str, bytes, numbers.Number)
+        ):
             continue
         if isinstance(obj, types.MethodType):
             children = [obj.__func__, obj.__self__]
@@ -402,14 +443,23 @@ class _HostCopy:
     def __init__(self, t):
         t = t.detach()
         self.buffer = None
-        if (t.layout == torch.strided and t.is_contiguous() and not t.is_quantized
-                and not t.is_conj() and not t.is_neg()
-                and t.device.type in ("cpu", "cuda") and type(t) is torch.Tensor):
+        if (
+            t.layout == torch.strided
+            and t.is_contiguous()
+            and not t.is_quantized
+            and not t.is_conj()
+            and not t.is_neg()
+            and t.device.type in ("cpu", "cuda")
+            and type(t) is torch.Tensor
+        ):
             host = t.cpu()
             self.buffer = bytearray(host.numel() * host.element_size())
             if self.buffer:
-                ctypes.memmove((ctypes.c_char * len(self.buffer)).from_buffer(self.buffer),
-                               host.data_ptr(), len(self.buffer))
+                ctypes.memmove(
+                    (ctypes.c_char * len(self.buffer)).from_buffer(self.buffer),
+                    host.data_ptr(),
+                    len(self.buffer),
+                )
         else:
             self.clone = t.clone()
 
@@ -441,9 +491,9 @@ class _StepState:
 
     def __init__(self):
         self.buffers = []  # (module, name, tensor, copy)
-        self.grads = {}    # id(tensor) -> (tensor, its .grad before planning)
+        self.grads = {}  # id(tensor) -> (tensor, its .grad before planning)
         self.modules = set()
-        self.keep = []     # what the ids above refer to, kept alive
+        self.keep = []  # what the ids above refer to, kept alive
         self.thread = threading.get_ident()
 
     def find(self, fn, args, kwargs):
@@ -524,8 +574,7 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         rng_devices.update(range(torch.cuda.device_count()))
     rng_devices = sorted(rng_devices)
     region = None
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), \
-            memory.track(device) as m:
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), memory.track(device) as m:
         start = time.perf_counter()
         if policy is None:
             out = fn(*args, **kwargs)
@@ -538,21 +587,31 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         if not outputs:
             raise ValueError(
                 f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
-                "to plan; call it with inputs or parameters that require grad")
+                "to plan; call it with inputs or parameters that require grad"
+            )
         del out
         if all(o.grad_fn is None for o in outputs):
             raise ValueError(
                 f"torch_sac.{where}: fn returns only leaf tensors (no op ran on them), so there "
-                "is no backward to plan")
+                "is no backward to plan"
+            )
         leaves = _graph_leaves(outputs)
-        torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs],
-                            allow_unused=True)
+        torch.autograd.grad(
+            outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True
+        )
         del outputs
         seconds = time.perf_counter() - start
     if region is None:
         return _Run(m.peak, seconds, forward_seconds, output_device)
-    return _Run(m.peak, seconds, forward_seconds, output_device, region.stats(),
-                region.replay_schedule(), region.op_details())
+    return _Run(
+        m.peak,
+        seconds,
+        forward_seconds,
+        output_device,
+        region.stats(),
+        region.replay_schedule(),
+        region.op_details(),
+    )
 
 
 def _first_sweep(schedule):
@@ -587,8 +646,7 @@ class _Planner:
         # The arguments' device, else that of the modules and tensors fn
         # refers to; a step whose outputs show another device is measured
         # again there (plain_run).
-        self.device = (_device_of((args, kwargs)) or _device_of(state.keep)
-                       or torch.device("cpu"))
+        self.device = _device_of((args, kwargs)) or _device_of(state.keep) or torch.device("cpu")
 
     def runs_left(self):
         return MAX_PLANNING_RUNS - len(self.measured)
@@ -628,8 +686,10 @@ class _Planner:
         sweep = self.run(_C.recompute_all(), budget)
         saved = _first_sweep(sweep.schedule)
         planned = self.run(ReplaySchedule([], saved).policy(), budget)
-        self.candidates += [_Candidate(sweep, [], budget, sweep),
-                            _Candidate(planned, saved, budget, sweep)]
+        self.candidates += [
+            _Candidate(sweep, [], budget, sweep),
+            _Candidate(planned, saved, budget, sweep),
+        ]
         return min(sweep.peak, planned.peak)
 
     def search(self):
@@ -668,8 +728,11 @@ class _Planner:
             budget //= 2
         tried_share = refined = False
         while fit is not None and self.runs_left() >= 2:
-            done = (over[0] - fit[0] <= self.resolution if over is not None
-                    else self.peak_bytes - fit[1] <= self.resolution)
+            done = (
+                over[0] - fit[0] <= self.resolution
+                if over is not None
+                else self.peak_bytes - fit[1] <= self.resolution
+            )
             best = self.best()
             # The spaced heuristic's split between checkpoints and what
             # backward needs next suits some programs and not others (a
@@ -680,12 +743,18 @@ class _Planner:
             # TinyGPT at 0.25 of its peak, 1.3x the old search's replay cost
             # instead of 2.0x).
             loose = best.budget.bytes >= self.plain.peak * _FIRST_BUDGET
-            if (not tried_share and best.budget.bytes > 0
-                    and best.run.stats.get("spaced_choices", 0)
-                    and (done or (loose and self.runs_left() < 2 + _SHARE_RUNS))):
+            if (
+                not tried_share
+                and best.budget.bytes > 0
+                and best.run.stats.get("spaced_choices", 0)
+                and (done or (loose and self.runs_left() < 2 + _SHARE_RUNS))
+            ):
                 tried_share = True
-                self.at_budget(ReplayBudget(best.budget.bytes, counts_saved=True,
-                                            checkpoint_share=_OTHER_SHARE))
+                self.at_budget(
+                    ReplayBudget(
+                        best.budget.bytes, counts_saved=True, checkpoint_share=_OTHER_SHARE
+                    )
+                )
                 continue
             if done:
                 break
@@ -707,8 +776,10 @@ class _Planner:
         least peak of all, for one run."""
         zero = ReplayBudget(0, counts_saved=True)
         measured = [c.saved for c in self.candidates if c.budget == zero]
-        swept = sorted((c for c in self.candidates if c.budget is not None and c.budget.bytes),
-                       key=lambda c: c.run.peak)
+        swept = sorted(
+            (c for c in self.candidates if c.budget is not None and c.budget.bytes),
+            key=lambda c: c.run.peak,
+        )
         for c in swept:
             saved = _first_sweep(c.sweep.schedule)
             if saved not in measured:
@@ -759,10 +830,16 @@ class _Planner:
         if least.budget is None:
             how = "saving everything"
         else:
-            how = (f"forward keeping {len(least.saved)} op calls" if least.saved
-                   else "recomputing everything")
-            how += (f", backward holding at most {format_bytes(least.budget.bytes)}"
-                    if least.budget.bytes else ", backward holding nothing more")
+            how = (
+                f"forward keeping {len(least.saved)} op calls"
+                if least.saved
+                else "recomputing everything"
+            )
+            how += (
+                f", backward holding at most {format_bytes(least.budget.bytes)}"
+                if least.budget.bytes
+                else ", backward holding nothing more"
+            )
         raise ValueError(
             f"torch_sac.{self.where}: peak_bytes={self.peak_bytes} "
             f"({format_bytes(self.peak_bytes)}) is below the least peak measured here: "
@@ -770,17 +847,23 @@ class _Planner:
             f"{len(self.candidates)} plans measured in {len(self.measured)} runs of fn; "
             f"without checkpointing: {format_bytes(self.plain.peak)}). Plan for "
             f"peak_bytes >= {least.run.peak}, or shrink what no plan controls (batch size, "
-            "parameters' gradients, the outputs).")
+            "parameters' gradients, the outputs)."
+        )
 
 
 def plan_for_peak(fn, args, kwargs, peak_bytes, where):
     """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
-    if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Integral) or peak_bytes <= 0:
+    if (
+        isinstance(peak_bytes, bool)
+        or not isinstance(peak_bytes, numbers.Integral)
+        or peak_bytes <= 0
+    ):
         raise ValueError(f"torch_sac.{where}: peak_bytes must be an int > 0, got {peak_bytes!r}")
     if in_region():
         raise RuntimeError(
             f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
-            "sac_context is open on this thread: plan outside it")
+            "sac_context is open on this thread: plan outside it"
+        )
     state = _StepState()
     try:
         state.find(fn, args, kwargs)
@@ -839,11 +922,18 @@ def _plan(planner, plain, best, solver):
     run = best.run
     replays = {row["op"]: list(row.get("replays_by_call", ())) for row in run.details}
     return PeakPlan(
-        peak_bytes=planner.peak_bytes, measured_peak=run.peak, no_checkpoint_peak=plain.peak,
-        replay_budget=best.budget, saved=best.saved,
+        peak_bytes=planner.peak_bytes,
+        measured_peak=run.peak,
+        no_checkpoint_peak=plain.peak,
+        replay_budget=best.budget,
+        saved=best.saved,
         schedule=run.schedule if run.schedule is not None else ReplaySchedule([]),
-        recomputed_ops=run.replayed, recompute_seconds=run.stats.get("replay_ns", 0) / 1e9,
+        recomputed_ops=run.replayed,
+        recompute_seconds=run.stats.get("replay_ns", 0) / 1e9,
         forward_seconds=plain.forward_seconds,
         replays_by_op={op: r for op, r in replays.items() if any(r)},
-        solver=solver, solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
-        measure_seconds=sum(r.seconds for r in planner.measured), runs=len(planner.measured))
+        solver=solver,
+        solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
+        measure_seconds=sum(r.seconds for r in planner.measured),
+        runs=len(planner.measured),
+    )

@@ -49,7 +49,8 @@ def as_op_policy(policy, where):
         raise TypeError(
             f"torch_sac.{where}: a PeakPlan runs as one region, with its replay budget: pass it "
             "to torch_sac.sac_context or torch_sac.checkpoint (plan.policy() is only its "
-            "forward half)")
+            "forward half)"
+        )
     raise TypeError(
         f"torch_sac.{where}: a policy must be a callable "
         "policy(ctx, op, *args, **kwargs), a list of ops or a "

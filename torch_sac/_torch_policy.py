@@ -57,6 +57,7 @@ _BY_VALUE = (
 # wrapped by a user's own policy_fn a few levels deep).
 _MAX_FRAMES = 32
 
+
 def _calling_mode(frame):
     """The TorchDispatchMode whose ``__torch_dispatch__`` is calling us."""
     for _ in range(_MAX_FRAMES):
@@ -208,7 +209,6 @@ def to_torch(self):
         names come from ``torch_sac.name`` calls inside the compiled code.
     """
     return TorchPolicy(self)
-
 
 
 def install():

@@ -38,10 +38,10 @@ class SacHandle:
     """What :func:`apply_sac` returns: per-module statistics and ``remove()``."""
 
     def __init__(self, names, engine):
-        self._names = names            # module -> qualified name
+        self._names = names  # module -> qualified name
         self._engine = engine
-        self._last = {}                # name -> the last region / forward context
-        self._originals = {}           # module -> (had its own forward, that forward)
+        self._last = {}  # name -> the last region / forward context
+        self._originals = {}  # module -> (had its own forward, that forward)
 
     @property
     def modules(self):
@@ -80,8 +80,14 @@ class SacHandle:
         self._last[self._names[module]] = ctx
 
 
-def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mutation=False,
-              replay_budget=None):
+def apply_sac(
+    model,
+    policy,
+    modules=None,
+    engine="region",
+    allow_cache_entry_mutation=False,
+    replay_budget=None,
+):
     """Runs the forward of each selected module of ``model`` under selective
     activation checkpointing, in place; the counterpart of PyTorch's
     ``apply_activation_checkpointing``.
@@ -134,9 +140,12 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
     if replay_budget is not None and engine != "region":
         raise ValueError(
             "torch_sac.apply_sac: replay_budget needs engine='region' (the drop-in re-runs each "
-            "module's forward once in backward, as torch.utils.checkpoint does)")
+            "module's forward once in backward, as torch.utils.checkpoint does)"
+        )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(
+            f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}"
+        )
     selected = select_blocks(model, modules)
     wanted = set(selected)
     names = {m: n for n, m in model.named_modules() if m in wanted}
@@ -146,14 +155,16 @@ def apply_sac(model, policy, modules=None, engine="region", allow_cache_entry_mu
         if "forward" in module.__dict__ and getattr(module.forward, "_torch_sac_wrapped", False):
             raise RuntimeError(
                 f"torch_sac.apply_sac: {names[module]} is already checkpointed by torch_sac; "
-                "call remove() on the earlier handle first")
+                "call remove() on the earlier handle first"
+            )
         chosen = policy(module) if per_module else policy
         op_policy = as_op_policy(chosen, "apply_sac")
         had_own = "forward" in module.__dict__
         handle._originals[module] = (had_own, module.__dict__.get("forward"))
         original = module.forward
-        module.forward = _wrap(module, original, op_policy, engine, allow_cache_entry_mutation,
-                               replay_budget, handle)
+        module.forward = _wrap(
+            module, original, op_policy, engine, allow_cache_entry_mutation, replay_budget, handle
+        )
     return handle
 
 
@@ -167,15 +178,17 @@ def _wrap(module, original, policy, engine, allow, replay_budget, handle):
                 _compile.warn_replay_budget_ignored()
             return checkpoint_when_compiling(original, args, kwargs, policy, allow)
         if engine == "region":
-            with sac_context(policy, allow_cache_entry_mutation=allow,
-                             replay_budget=replay_budget) as region:
+            with sac_context(
+                policy, allow_cache_entry_mutation=allow, replay_budget=replay_budget
+            ) as region:
                 out = original(*args, **kwargs)
             handle._record(module, region)
             return out
         pair = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=allow)
         handle._record(module, pair[0])
-        return tc.checkpoint(original, *args, use_reentrant=False,
-                             context_fn=lambda: pair, **kwargs)
+        return tc.checkpoint(
+            original, *args, use_reentrant=False, context_fn=lambda: pair, **kwargs
+        )
 
     forward._torch_sac_wrapped = True
     return forward

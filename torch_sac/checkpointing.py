@@ -11,8 +11,11 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _C, _compat, _compile
 from ._policy_conversion import as_op_policy
 from ._budget_types import check_replay_budget, unpack_plan
-from .contexts import (checkpoint_when_compiling, create_selective_checkpoint_contexts,
-                       selective_policy_of_contexts)
+from .contexts import (
+    checkpoint_when_compiling,
+    create_selective_checkpoint_contexts,
+    selective_policy_of_contexts,
+)
 from .region import sac_context
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -22,9 +25,16 @@ _DETERMINISM_CHECKS = ("default", "none")
 # The keywords checkpoint() takes besides the function's own: what
 # checkpoint_sequential passes on, and what the decorator form keeps.
 _CHECKPOINT_KEYWORDS = (
-    "use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
-    "preserve_rng_state", "respect_saved_tensors_hooks", "policy",
-    "allow_cache_entry_mutation", "replay_budget",
+    "use_reentrant",
+    "context_fn",
+    "determinism_check",
+    "debug",
+    "early_stop",
+    "preserve_rng_state",
+    "respect_saved_tensors_hooks",
+    "policy",
+    "allow_cache_entry_mutation",
+    "replay_budget",
 )
 
 
@@ -33,8 +43,15 @@ def _check_bool(value, keyword, where):
         raise TypeError(f"torch_sac.{where}: {keyword} must be a bool, got {value!r}")
 
 
-def _check_torch_keywords(use_reentrant, determinism_check, debug, early_stop,
-                          preserve_rng_state, respect_saved_tensors_hooks, where):
+def _check_torch_keywords(
+    use_reentrant,
+    determinism_check,
+    debug,
+    early_stop,
+    preserve_rng_state,
+    respect_saved_tensors_hooks,
+    where,
+):
     if use_reentrant is not None:
         _check_bool(use_reentrant, "use_reentrant", where)
     if use_reentrant:
@@ -42,11 +59,13 @@ def _check_torch_keywords(use_reentrant, determinism_check, debug, early_stop,
             f"torch_sac.{where}: use_reentrant=True is not supported: torch_sac's checkpoint "
             "is non-reentrant (forward records the ops it runs, backward replays the dropped "
             "ones; nothing re-enters autograd). Pass use_reentrant=False (or leave it out), "
-            "or call torch.utils.checkpoint.checkpoint for the reentrant variant.")
+            "or call torch.utils.checkpoint.checkpoint for the reentrant variant."
+        )
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"torch_sac.{where}: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
-            f"got {determinism_check!r}")
+            f"got {determinism_check!r}"
+        )
     _check_bool(debug, "debug", where)
     _check_bool(early_stop, "early_stop", where)
     _check_bool(preserve_rng_state, "preserve_rng_state", where)
@@ -61,24 +80,38 @@ def _selective_policy(context_fn):
     is None for any other ``context_fn``, whose ``contexts`` (made by calling
     it once) only PyTorch's checkpoint can run."""
     if isinstance(context_fn, functools.partial) and context_fn.func in (
-            create_selective_checkpoint_contexts,
-            _torch_checkpoint.create_selective_checkpoint_contexts):
+        create_selective_checkpoint_contexts,
+        _torch_checkpoint.create_selective_checkpoint_contexts,
+    ):
         # The list or callable as the user wrote it: a list of ops becomes
         # torch_sac's C++ save_ops, not PyTorch's closure over it.
         bound = inspect.signature(context_fn.func).bind(*context_fn.args, **context_fn.keywords)
         bound.apply_defaults()
-        return (bound.arguments["policy_fn_or_list"],
-                bound.arguments["allow_cache_entry_mutation"], None)
+        return (
+            bound.arguments["policy_fn_or_list"],
+            bound.arguments["allow_cache_entry_mutation"],
+            None,
+        )
     contexts = context_fn()
     policy, allow = selective_policy_of_contexts(contexts)
     return policy, allow, contexts
 
 
-def checkpoint(function=None, *args, use_reentrant=None,
-               context_fn=_torch_checkpoint.noop_context_fn, determinism_check="default",
-               debug=False, early_stop=True, preserve_rng_state=True,
-               respect_saved_tensors_hooks=None, policy=None, allow_cache_entry_mutation=False,
-               replay_budget=None, **kwargs):
+def checkpoint(
+    function=None,
+    *args,
+    use_reentrant=None,
+    context_fn=_torch_checkpoint.noop_context_fn,
+    determinism_check="default",
+    debug=False,
+    early_stop=True,
+    preserve_rng_state=True,
+    respect_saved_tensors_hooks=None,
+    policy=None,
+    allow_cache_entry_mutation=False,
+    replay_budget=None,
+    **kwargs,
+):
     """Checkpoints ``function(*args, **kwargs)``: a drop-in for
     :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False``).
 
@@ -144,19 +177,33 @@ def checkpoint(function=None, *args, use_reentrant=None,
           :func:`torch.utils.checkpoint.checkpoint`, keyword by keyword.
     """
     where = "checkpoint"
-    _check_torch_keywords(use_reentrant, determinism_check, debug, early_stop,
-                          preserve_rng_state, respect_saved_tensors_hooks, where)
+    _check_torch_keywords(
+        use_reentrant,
+        determinism_check,
+        debug,
+        early_stop,
+        preserve_rng_state,
+        respect_saved_tensors_hooks,
+        where,
+    )
     if function is None and not args:
         if kwargs:
             raise ValueError(
                 "torch_sac.checkpoint: as a decorator (no function given) it takes only "
-                f"checkpoint's keywords; unexpected: {', '.join(kwargs)}")
+                f"checkpoint's keywords; unexpected: {', '.join(kwargs)}"
+            )
         options = dict(
-            use_reentrant=use_reentrant, context_fn=context_fn,
-            determinism_check=determinism_check, debug=debug, early_stop=early_stop,
+            use_reentrant=use_reentrant,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
             preserve_rng_state=preserve_rng_state,
-            respect_saved_tensors_hooks=respect_saved_tensors_hooks, policy=policy,
-            allow_cache_entry_mutation=allow_cache_entry_mutation, replay_budget=replay_budget)
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+            policy=policy,
+            allow_cache_entry_mutation=allow_cache_entry_mutation,
+            replay_budget=replay_budget,
+        )
         check_replay_budget(replay_budget, where)
         return functools.partial(_checkpointed, options=options)
     if not callable(function):
@@ -167,13 +214,22 @@ def checkpoint(function=None, *args, use_reentrant=None,
         if policy is not None:
             raise ValueError(
                 "torch_sac.checkpoint: pass policy or context_fn, not both: a context_fn from "
-                "create_selective_checkpoint_contexts already carries its policy")
+                "create_selective_checkpoint_contexts already carries its policy"
+            )
         policy, allow_cache_entry_mutation, contexts = _selective_policy(context_fn)
     if contexts is not None and policy is None:
-        return _run_by_torch(function, args, kwargs, contexts, replay_budget,
-                             determinism_check=determinism_check, debug=debug,
-                             early_stop=early_stop, preserve_rng_state=preserve_rng_state,
-                             respect_saved_tensors_hooks=respect_saved_tensors_hooks)
+        return _run_by_torch(
+            function,
+            args,
+            kwargs,
+            contexts,
+            replay_budget,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            preserve_rng_state=preserve_rng_state,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
+        )
     if policy is None:
         policy = _C.recompute_all()
     elif respect_saved_tensors_hooks:
@@ -182,17 +238,26 @@ def checkpoint(function=None, *args, use_reentrant=None,
             "selective policy: saved_tensors_hooks entered outside the checkpointed function "
             "(save_on_cpu) do not see the tensors the region keeps. Enter the hooks inside "
             "the function (they take precedence for the tensors saved under them), or use "
-            "torch.utils.checkpoint.checkpoint.")
+            "torch.utils.checkpoint.checkpoint."
+        )
     if torch.compiler.is_compiling():
         policy, replay_budget = unpack_plan(policy, replay_budget)
         if replay_budget is not None:
             _compile.warn_replay_budget_ignored()
         return checkpoint_when_compiling(
-            function, args, kwargs, policy, allow_cache_entry_mutation,
-            preserve_rng_state=preserve_rng_state, determinism_check=determinism_check,
-            debug=debug, early_stop=early_stop)
-    with sac_context(policy, allow_cache_entry_mutation=allow_cache_entry_mutation,
-                     replay_budget=replay_budget):
+            function,
+            args,
+            kwargs,
+            policy,
+            allow_cache_entry_mutation,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+        )
+    with sac_context(
+        policy, allow_cache_entry_mutation=allow_cache_entry_mutation, replay_budget=replay_budget
+    ):
         return function(*args, **kwargs)
 
 
@@ -208,25 +273,40 @@ def _checkpointed(function, options):
     return run
 
 
-def _run_by_torch(function, args, kwargs, contexts, replay_budget, *,
-                  respect_saved_tensors_hooks, **torch_keywords):
+def _run_by_torch(
+    function,
+    args,
+    kwargs,
+    contexts,
+    replay_budget,
+    *,
+    respect_saved_tensors_hooks,
+    **torch_keywords,
+):
     """A ``context_fn`` that is not selective checkpointing: PyTorch's
     checkpoint runs it (and re-runs ``function`` in backward)."""
     if replay_budget is not None:
         raise ValueError(
             "torch_sac.checkpoint: replay_budget needs a region, and this context_fn is not "
             "one torch_sac can run in a region (only create_selective_checkpoint_contexts "
-            "is): drop replay_budget, or pass the policy as policy=")
+            "is): drop replay_budget, or pass the policy as policy="
+        )
     if respect_saved_tensors_hooks is not None:
         if _compat.CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS:
             torch_keywords["respect_saved_tensors_hooks"] = respect_saved_tensors_hooks
         elif respect_saved_tensors_hooks:
             raise ValueError(
                 "torch_sac.checkpoint: respect_saved_tensors_hooks=True with this context_fn "
-                f"needs torch 2.14 or later (this is {_compat.TORCH_RELEASE})")
+                f"needs torch 2.14 or later (this is {_compat.TORCH_RELEASE})"
+            )
     return _torch_checkpoint.checkpoint(
-        function, *args, use_reentrant=False, context_fn=lambda: contexts,
-        **torch_keywords, **kwargs)
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: contexts,
+        **torch_keywords,
+        **kwargs,
+    )
 
 
 def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
@@ -262,13 +342,19 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
         raise ValueError(
             "torch_sac.checkpoint_sequential: unexpected keyword arguments: "
             f"{', '.join(unexpected)} (it passes only checkpoint's keywords on: "
-            f"{', '.join(k for k in _CHECKPOINT_KEYWORDS if k != 'use_reentrant')})")
+            f"{', '.join(k for k in _CHECKPOINT_KEYWORDS if k != 'use_reentrant')})"
+        )
     # Checked here, not only by the checkpoint() calls below: with one
     # segment there are none, and a bad keyword would pass unnoticed.
     _check_torch_keywords(
-        use_reentrant, kwargs.get("determinism_check", "default"), kwargs.get("debug", False),
-        kwargs.get("early_stop", True), kwargs.get("preserve_rng_state", True),
-        kwargs.get("respect_saved_tensors_hooks"), "checkpoint_sequential")
+        use_reentrant,
+        kwargs.get("determinism_check", "default"),
+        kwargs.get("debug", False),
+        kwargs.get("early_stop", True),
+        kwargs.get("preserve_rng_state", True),
+        kwargs.get("respect_saved_tensors_hooks"),
+        "checkpoint_sequential",
+    )
     check_replay_budget(kwargs.get("replay_budget"), "checkpoint_sequential")
     if kwargs.get("policy") is not None:
         as_op_policy(unpack_plan(kwargs["policy"], None)[0], "checkpoint_sequential")
@@ -277,17 +363,21 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwar
     else:
         functions = list(functions)
     if isinstance(segments, bool) or not isinstance(segments, numbers.Integral):
-        raise TypeError(f"torch_sac.checkpoint_sequential: segments must be an int, got {segments!r}")
+        raise TypeError(
+            f"torch_sac.checkpoint_sequential: segments must be an int, got {segments!r}"
+        )
     if not 1 <= segments <= len(functions):
         raise ValueError(
             "torch_sac.checkpoint_sequential: segments must be between 1 and the number of "
-            f"functions ({len(functions)}), got {segments}")
+            f"functions ({len(functions)}), got {segments}"
+        )
 
     def run(start, end):
         def forward(x):
             for f in functions[start:end]:
                 x = f(x)
             return x
+
         return forward
 
     size = len(functions) // segments

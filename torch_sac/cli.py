@@ -55,8 +55,14 @@ from torch_sac.profiler import _flops_str, _figure, _plot_timelines
 __all__ = ["main", "run"]
 
 DEFAULT_POLICIES = (
-    "none", "torch_checkpoint", "recompute_all", "save_matmuls",
-    "budget-0.25", "budget-0.5", "budget-0.75", "peak-0.4",
+    "none",
+    "torch_checkpoint",
+    "recompute_all",
+    "save_matmuls",
+    "budget-0.25",
+    "budget-0.5",
+    "budget-0.75",
+    "peak-0.4",
 )
 _FIXED = {
     "none": "no checkpointing",
@@ -74,16 +80,20 @@ def _parse_policies(text):
     for n in names:
         if n.startswith("budget-"):
             try:
-                f = float(n[len("budget-"):])
+                f = float(n[len("budget-") :])
             except ValueError:
-                raise argparse.ArgumentTypeError(f"bad budget policy {n!r}: use budget-F, e.g. budget-0.5")
+                raise argparse.ArgumentTypeError(
+                    f"bad budget policy {n!r}: use budget-F, e.g. budget-0.5"
+                )
             if not (f >= 0):
                 raise argparse.ArgumentTypeError(f"bad budget fraction in {n!r}: must be >= 0")
         elif n.startswith("peak-"):
             try:
-                f = float(n[len("peak-"):])
+                f = float(n[len("peak-") :])
             except ValueError:
-                raise argparse.ArgumentTypeError(f"bad peak policy {n!r}: use peak-F, e.g. peak-0.5")
+                raise argparse.ArgumentTypeError(
+                    f"bad peak policy {n!r}: use peak-F, e.g. peak-0.5"
+                )
             if not (0 < f):
                 raise argparse.ArgumentTypeError(f"bad peak fraction in {n!r}: must be > 0")
         elif n not in _FIXED:
@@ -113,18 +123,33 @@ def _parser():
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout (default 0.1)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per policy (default 5)")
-    p.add_argument("--policies", type=_parse_policies, default=list(DEFAULT_POLICIES),
-                   help="comma-separated subset (default: all of "
-                   + ",".join(DEFAULT_POLICIES) + ")")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (default 1: timings do not depend on core contention)")
-    p.add_argument("--plot", default="sac_tradeoff.png",
-                   help="memory-time trade-off plot (PNG; default sac_tradeoff.png)")
+    p.add_argument(
+        "--policies",
+        type=_parse_policies,
+        default=list(DEFAULT_POLICIES),
+        help="comma-separated subset (default: all of " + ",".join(DEFAULT_POLICIES) + ")",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: timings do not depend on core contention)",
+    )
+    p.add_argument(
+        "--plot",
+        default="sac_tradeoff.png",
+        help="memory-time trade-off plot (PNG; default sac_tradeoff.png)",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not write the plot")
-    p.add_argument("--json", default=None, help="also write all results (and per-policy profiles) here")
-    p.add_argument("--details", default=None,
-                   help="print the per-op profile table of this policy (default: the middle budget, "
-                   "else save_matmuls); 'none' to skip")
+    p.add_argument(
+        "--json", default=None, help="also write all results (and per-policy profiles) here"
+    )
+    p.add_argument(
+        "--details",
+        default=None,
+        help="print the per-op profile table of this policy (default: the middle budget, "
+        "else save_matmuls); 'none' to skip",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -144,8 +169,13 @@ class _Setup:
 
     def __init__(self, args):
         torch.manual_seed(args.seed)
-        self.model = TinyGPT(vocab=args.vocab, dim=args.dim, heads=args.heads,
-                             depth=args.blocks, dropout=args.dropout)
+        self.model = TinyGPT(
+            vocab=args.vocab,
+            dim=args.dim,
+            heads=args.heads,
+            depth=args.blocks,
+            dropout=args.dropout,
+        )
         g = torch.Generator().manual_seed(args.seed + 1)
         self.tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         self.targets = self.tokens.roll(-1, 1)
@@ -163,7 +193,9 @@ class _Setup:
     def plan(self, fraction):
         if not self.plans:
             block = self.model.blocks[0]
-            self._base_plan = torch_sac.policies.budget(block, self.block_input(), fraction=fraction)
+            self._base_plan = torch_sac.policies.budget(
+                block, self.block_input(), fraction=fraction
+            )
             self.plans[fraction] = self._base_plan
         if fraction not in self.plans:
             self.plans[fraction] = self._base_plan.with_budget(fraction=fraction)
@@ -179,10 +211,12 @@ class _Setup:
         if fraction not in self.peak_plans:
             if self._plain_peak is None:
                 self._plain_peak = torch_sac.policies.budget(
-                    self.loss, peak_bytes=1 << 62).no_checkpoint_peak
+                    self.loss, peak_bytes=1 << 62
+                ).no_checkpoint_peak
             try:
                 self.peak_plans[fraction] = torch_sac.policies.budget(
-                    self.loss, peak_bytes=int(fraction * self._plain_peak))
+                    self.loss, peak_bytes=int(fraction * self._plain_peak)
+                )
             except ValueError as e:
                 self.peak_plans[fraction] = e
         return self.peak_plans[fraction]
@@ -191,7 +225,7 @@ class _Setup:
         if name == "none":
             return None
         if name.startswith("peak-"):
-            return _WholeStep(self.peak_plan(float(name[len("peak-"):])))
+            return _WholeStep(self.peak_plan(float(name[len("peak-") :])))
         if name == "torch_checkpoint":
             return lambda block, x: checkpoint(block, x, use_reentrant=False)
         if name == "recompute_all":
@@ -199,7 +233,7 @@ class _Setup:
         elif name == "save_matmuls":
             policy = torch_sac.policies.save_matmuls()
         else:
-            policy = self.plan(float(name[len("budget-"):]))
+            policy = self.plan(float(name[len("budget-") :]))
 
         def wrap(block, x):
             with torch_sac.sac_context(policy):
@@ -325,11 +359,17 @@ def _run(args, out):
         if n == "torch_checkpoint":
             # Its recompute re-runs the blocks in backward, where the profile
             # counts it: the extra backward FLOPs are the recompute.
-            r["recompute_flops"], r["recompute_flops_exact"] = t["backward_flops"] - base["backward_flops"], True
+            r["recompute_flops"], r["recompute_flops_exact"] = (
+                t["backward_flops"] - base["backward_flops"],
+                True,
+            )
         else:
-            r["recompute_flops"], r["recompute_flops_exact"] = t["replay_flops"], t["replay_flops_exact"]
+            r["recompute_flops"], r["recompute_flops_exact"] = (
+                t["replay_flops"],
+                t["replay_flops_exact"],
+            )
     for n in budgets:
-        plan = setup.plan(float(n[len("budget-"):]))
+        plan = setup.plan(float(n[len("budget-") :]))
         bound = results["recompute_all"]["activation_bytes"] + setup.blocks * plan.budget_bytes
         results[n]["budget"] = {
             "fraction": plan.fraction,
@@ -345,7 +385,7 @@ def _run(args, out):
     for n in peaks:
         plan = wraps[n].plan
         results[n]["peak_plan"] = {
-            "fraction": float(n[len("peak-"):]),
+            "fraction": float(n[len("peak-") :]),
             "peak_budget_bytes": plan.peak_bytes,
             "planned_peak_bytes": plan.measured_peak,
             "replay_budget_bytes": plan.replay_budget.bytes if plan.replay_budget else None,
@@ -360,8 +400,10 @@ def _run(args, out):
     _print_table(results, names, out)
     if budgets:
         out("")
-        out("budget plans (per block; one plan for every block) and the bound "
-            "activations <= activations(recompute_all) + blocks x budget:")
+        out(
+            "budget plans (per block; one plan for every block) and the bound "
+            "activations <= activations(recompute_all) + blocks x budget:"
+        )
         for n in budgets:
             b = results[n]["budget"]
             out(
@@ -374,13 +416,18 @@ def _run(args, out):
             )
     if peaks:
         out("")
-        out("peak plans (one region around the step: model and loss) and the bound "
-            "peak <= F x peak(none):")
+        out(
+            "peak plans (one region around the step: model and loss) and the bound "
+            "peak <= F x peak(none):"
+        )
         for n in peaks:
             b = results[n]["peak_plan"]
-            budget_text = ("nothing dropped" if b["replay_budget_bytes"] is None else
-                           f"keeps {b['saved_calls']} op calls in forward, backward holds at most "
-                           f"{format_bytes(b['replay_budget_bytes'])}")
+            budget_text = (
+                "nothing dropped"
+                if b["replay_budget_bytes"] is None
+                else f"keeps {b['saved_calls']} op calls in forward, backward holds at most "
+                f"{format_bytes(b['replay_budget_bytes'])}"
+            )
             out(
                 f"  {n:<13} {budget_text} ({b['solver']}{', optimal' if b['optimal'] else ''}; "
                 f"{b['planning_runs']} planning runs); measured peak "
@@ -389,27 +436,54 @@ def _run(args, out):
             )
     details = args.details
     if details is None:
-        details = budgets[len(budgets) // 2] if budgets else ("save_matmuls" if "save_matmuls" in names else "none")
+        details = (
+            budgets[len(budgets) // 2]
+            if budgets
+            else ("save_matmuls" if "save_matmuls" in names else "none")
+        )
     if details != "none":
         if details not in profiles:
             out(f"\n--details {details}: not among the policies run")
         else:
             out(f"\nper op, {details} (profiled step):")
             out(profiles[details].table(max_rows=10))
-    ok = all(r["grad_bitwise_equal"] for r in results.values()) and all(
-        results[n]["budget"]["within_bound"] for n in budgets
-    ) and all(results[n]["peak_plan"]["within_bound"] for n in peaks)
+    ok = (
+        all(r["grad_bitwise_equal"] for r in results.values())
+        and all(results[n]["budget"]["within_bound"] for n in budgets)
+        and all(results[n]["peak_plan"]["within_bound"] for n in peaks)
+    )
     out("")
     out(
         f"gradients bitwise equal to no checkpointing for every policy: "
         f"{all(r['grad_bitwise_equal'] for r in results.values())}"
-        + (f"; budget bounds hold: {all(results[n]['budget']['within_bound'] for n in budgets)}" if budgets else "")
-        + (f"; peak bounds hold: {all(results[n]['peak_plan']['within_bound'] for n in peaks)}" if peaks else "")
+        + (
+            f"; budget bounds hold: {all(results[n]['budget']['within_bound'] for n in budgets)}"
+            if budgets
+            else ""
+        )
+        + (
+            f"; peak bounds hold: {all(results[n]['peak_plan']['within_bound'] for n in peaks)}"
+            if peaks
+            else ""
+        )
         + f" ({elapsed:.1f} s)"
     )
     data = {
-        "config": {k: getattr(args, k) for k in
-                   ("blocks", "dim", "heads", "seq", "batch", "vocab", "dropout", "steps", "threads", "seed")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "blocks",
+                "dim",
+                "heads",
+                "seq",
+                "batch",
+                "vocab",
+                "dropout",
+                "steps",
+                "threads",
+                "seed",
+            )
+        },
         "torch": torch.__version__,
         "adapter": torch_sac.adapter(),
         "policies": names,
@@ -421,7 +495,9 @@ def _run(args, out):
         out(f"plot: {path}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(data, profiles={n: p.to_dict() for n, p in profiles.items()}), f, indent=1)
+            json.dump(
+                dict(data, profiles={n: p.to_dict() for n, p in profiles.items()}), f, indent=1
+            )
             f.write("\n")
         out(f"json: {args.json}")
     data["profiles"] = profiles
@@ -430,8 +506,20 @@ def _run(args, out):
 
 def _print_table(results, names, out):
     base = results["none"]
-    header = ["policy", "activations", "vs none", "saved vs none", "dropped (not held)", "peak",
-              "step ms", "vs none", "replayed", "replay ms", "recompute FLOPs", "grad max|diff|"]
+    header = [
+        "policy",
+        "activations",
+        "vs none",
+        "saved vs none",
+        "dropped (not held)",
+        "peak",
+        "step ms",
+        "vs none",
+        "replayed",
+        "replay ms",
+        "recompute FLOPs",
+        "grad max|diff|",
+    ]
     rows = [header]
     for n in names:
         r = results[n]
@@ -440,24 +528,28 @@ def _print_table(results, names, out):
             flops = "~" + flops
         replayed = "-" if n in ("none", "torch_checkpoint") else str(r["replayed_ops"])
         replay = "-" if n in ("none", "torch_checkpoint") else f"{r['replay_ns'] / 1e6:.2f}"
-        rows.append([
-            n,
-            format_bytes(r["activation_bytes"]),
-            f"{r['activation_bytes'] / base['activation_bytes']:.2f}x",
-            format_bytes(r["saved_vs_none_bytes"]),
-            format_bytes(r["dropped_bytes"]),
-            format_bytes(r["peak_bytes"]),
-            f"{r['step_ms_median']:.1f}",
-            f"{r['step_ms_median'] / base['step_ms_median']:.2f}x",
-            replayed,
-            replay,
-            flops,
-            ("0 (bitwise)" if r["grad_bitwise_equal"] else f"{r['grad_max_abs_diff']:.2g}"),
-        ])
+        rows.append(
+            [
+                n,
+                format_bytes(r["activation_bytes"]),
+                f"{r['activation_bytes'] / base['activation_bytes']:.2f}x",
+                format_bytes(r["saved_vs_none_bytes"]),
+                format_bytes(r["dropped_bytes"]),
+                format_bytes(r["peak_bytes"]),
+                f"{r['step_ms_median']:.1f}",
+                f"{r['step_ms_median'] / base['step_ms_median']:.2f}x",
+                replayed,
+                replay,
+                flops,
+                ("0 (bitwise)" if r["grad_bitwise_equal"] else f"{r['grad_max_abs_diff']:.2g}"),
+            ]
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     out("")
     for i, row in enumerate(rows):
-        out("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        out(
+            "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])])
+        )
         if i == 0:
             out("  ".join("-" * w for w in widths))
     for line in (

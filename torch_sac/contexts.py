@@ -217,12 +217,19 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
         # and needs PyTorch's own modes there (it turns their decisions into
         # partitioner tags); the same policy answers them via to_torch().
         return _torch_checkpoint.create_selective_checkpoint_contexts(
-            policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation)
+            policy.to_torch(), allow_cache_entry_mutation=allow_cache_entry_mutation
+        )
     state = _C.SelectiveCheckpoint(policy, allow_cache_entry_mutation)
-    forward = SelectiveContext(state, state.caching, on_enter=state.begin_forward,
-                                on_exit=state.finish_forward)
-    recompute = SelectiveContext(state, state.cached, on_enter=state.begin_recompute,
-                                  on_exit=state.finish_recompute, forward=forward)
+    forward = SelectiveContext(
+        state, state.caching, on_enter=state.begin_forward, on_exit=state.finish_forward
+    )
+    recompute = SelectiveContext(
+        state,
+        state.cached,
+        on_enter=state.begin_recompute,
+        on_exit=state.finish_recompute,
+        forward=forward,
+    )
     forward._made_from = (policy, allow_cache_entry_mutation)
     return forward, recompute
 
@@ -236,8 +243,11 @@ def selective_policy_of_contexts(contexts):
     if not isinstance(contexts, tuple) or len(contexts) != 2:
         return None, False
     forward, recompute = contexts
-    if isinstance(forward, SelectiveContext) and forward._made_from is not None \
-            and recompute._forward is forward:
+    if (
+        isinstance(forward, SelectiveContext)
+        and forward._made_from is not None
+        and recompute._forward is forward
+    ):
         return forward._made_from
     caching = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
     cached = getattr(_torch_checkpoint, "_CachedTorchDispatchMode", None)
@@ -246,16 +256,20 @@ def selective_policy_of_contexts(contexts):
     return None, False
 
 
-def checkpoint_when_compiling(fn, args, kwargs, policy, allow_cache_entry_mutation,
-                              **torch_keywords):
+def checkpoint_when_compiling(
+    fn, args, kwargs, policy, allow_cache_entry_mutation, **torch_keywords
+):
     """``torch_sac.checkpoint`` while Dynamo traces: PyTorch's checkpoint with
     torch_sac's contexts (PyTorch's SAC with ``policy.to_torch()`` under
     compile), given torch's keywords (``preserve_rng_state``, ...)."""
     context_fn = functools.partial(
-        create_selective_checkpoint_contexts, policy,
-        allow_cache_entry_mutation=allow_cache_entry_mutation)
+        create_selective_checkpoint_contexts,
+        policy,
+        allow_cache_entry_mutation=allow_cache_entry_mutation,
+    )
     return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, context_fn=context_fn, **torch_keywords, **kwargs)
+        fn, *args, use_reentrant=False, context_fn=context_fn, **torch_keywords, **kwargs
+    )
 
 
 _SelectiveContext = SelectiveContext  # its former name

@@ -70,10 +70,13 @@ def main(argv=None):
         if step == args.steps - 1:
             torch.manual_seed(1000 + step)
             reference.zero_grad()
-            ref_loss = F.cross_entropy(reference(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+            ref_loss = F.cross_entropy(
+                reference(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()
+            )
             ref_loss.backward()
             same = all(
-                torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters())
+                torch.equal(p.grad, r.grad)
+                for p, r in zip(model.parameters(), reference.parameters())
             )
         optimizer.step()
         reference.load_state_dict(model.state_dict())

@@ -155,7 +155,9 @@ class MemoryTracker:
 
     def __enter__(self):
         if self._window is not None:
-            raise RuntimeError("torch_sac.memory.MemoryTracker: already active; use a new tracker to nest")
+            raise RuntimeError(
+                "torch_sac.memory.MemoryTracker: already active; use a new tracker to nest"
+            )
         if self.device.type == "cpu":
             install_counting_allocator()
             self._window = _C.CpuPeakWindow()
@@ -269,7 +271,9 @@ def _resolve_device(device):
         raise RuntimeError(f"torch_sac.memory: cannot measure {device}: CUDA is not available")
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= torch.cuda.device_count():
-        raise ValueError(f"torch_sac.memory: no CUDA device {index} (found {torch.cuda.device_count()})")
+        raise ValueError(
+            f"torch_sac.memory: no CUDA device {index} (found {torch.cuda.device_count()})"
+        )
     return torch.device("cuda", index)
 
 

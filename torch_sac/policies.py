@@ -12,8 +12,16 @@ from ._budget import BudgetPolicy, ModelBudget, budget
 from ._policy_conversion import op_patterns
 
 __all__ = [
-    "save_ops", "save_all", "recompute_all", "save_matmuls", "every_nth", "save_by_name",
-    "budget", "BudgetPolicy", "ModelBudget", "MATMUL_OPS",
+    "save_ops",
+    "save_all",
+    "recompute_all",
+    "save_matmuls",
+    "every_nth",
+    "save_by_name",
+    "budget",
+    "BudgetPolicy",
+    "ModelBudget",
+    "MATMUL_OPS",
 ]
 
 #: The ops :func:`save_matmuls` saves, by qualified name (``"aten::mm"``),
@@ -125,4 +133,3 @@ def save_by_name(*names):
         if not n:
             raise ValueError("torch_sac.save_by_name: scope names must be non-empty strings")
     return _C.save_by_name(list(names))
-

@@ -28,15 +28,29 @@ FORMAT = "torch_sac.profile/1"
 _OP_FIELDS = ("saved", "dropped", "saved_bytes", "dropped_bytes", "replayed", "replay_ns")
 # Region counters summed into the totals (sac_context.stats()).
 _REGION_FIELDS = (
-    "policy_calls", "saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "held_bytes",
-    "packed_kept", "packed_dropped", "unpacked_original", "replayed_ops", "replay_ns", "record_ns",
+    "policy_calls",
+    "saved_ops",
+    "saved_bytes",
+    "dropped_ops",
+    "dropped_bytes",
+    "held_bytes",
+    "packed_kept",
+    "packed_dropped",
+    "unpacked_original",
+    "replayed_ops",
+    "replay_ns",
+    "record_ns",
 )
 # Region counters a drop-in pair has, as sums of its op_details() rows; the
 # other fields (held copies, autograd's packing, recording time) have no
 # drop-in counterpart and are 0.
 _DROPIN_SUMS = {
-    "saved_ops": "saved", "saved_bytes": "saved_bytes", "dropped_ops": "dropped",
-    "dropped_bytes": "dropped_bytes", "replayed_ops": "replayed", "replay_ns": "replay_ns",
+    "saved_ops": "saved",
+    "saved_bytes": "saved_bytes",
+    "dropped_ops": "dropped",
+    "dropped_bytes": "dropped_bytes",
+    "replayed_ops": "replayed",
+    "replay_ns": "replay_ns",
 }
 
 
@@ -236,19 +250,19 @@ class profile:
             from torch.utils.flop_counter import flop_registry
 
             self._flop_registry = flop_registry
-        self._regions = []      # per profiled region: a dict (see _region_entered)
-        self._open = []         # indices into _regions, innermost last
+        self._regions = []  # per profiled region: a dict (see _region_entered)
+        self._open = []  # indices into _regions, innermost last
         self._dropins = weakref.WeakKeyDictionary()  # drop-in forward context -> index
         self._recomputing = threading.local()  # .open: drop-in indices, innermost last
         self._phase = "forward"
         self._forward_end = None  # (sample index, how)
         self._fwd_flops = self._bwd_flops = 0
         self._outside_calls = self._outside_flops = 0
-        self._t = []            # sample times (ns since entry)
-        self._bytes = []        # allocated after the op / at the event, minus at entry
-        self._peaks = []        # highest level since the previous sample
+        self._t = []  # sample times (ns since entry)
+        self._bytes = []  # allocated after the op / at the event, minus at entry
+        self._peaks = []  # highest level since the previous sample
         self._labels = []
-        self._events = []       # (sample index, kind, region index or None)
+        self._events = []  # (sample index, kind, region index or None)
         self._whole = memory.MemoryTracker(self.device)
         self._fwd = memory.MemoryTracker(self.device)
         self._bwd = memory.MemoryTracker(self.device)
@@ -317,8 +331,7 @@ class profile:
         with self._phase_lock:
             if self._phase != "forward":
                 raise RuntimeError(
-                    "torch_sac.profile.end_forward: forward already ended "
-                    f"({self._forward_end[1]})"
+                    f"torch_sac.profile.end_forward: forward already ended ({self._forward_end[1]})"
                 )
             self._begin_backward("end_forward()")
 
@@ -362,11 +375,18 @@ class profile:
     def _region_entered(self, ctx):
         index = len(self._regions)
         dropin = isinstance(ctx, SelectiveContext)
-        self._regions.append({
-            "ctx": ctx, "engine": "dropin" if dropin else "sac_context", "ops": {},
-            "recompute_flops": {}, "counters": None, "enter": None, "exit": None,
-            "replay_budget": None if dropin else ctx._replay_budget,
-        })
+        self._regions.append(
+            {
+                "ctx": ctx,
+                "engine": "dropin" if dropin else "sac_context",
+                "ops": {},
+                "recompute_flops": {},
+                "counters": None,
+                "enter": None,
+                "exit": None,
+                "replay_budget": None if dropin else ctx._replay_budget,
+            }
+        )
         if dropin:
             self._dropins[ctx] = index
         self._open.append(index)
@@ -492,7 +512,9 @@ class profile:
                     est = low = high = measured.get(d["op"], 0)
                     ok = True
                 else:
-                    est, low, high, ok = _replay_flops(d["replayed"], flops, d.get("replays_by_call"))
+                    est, low, high, ok = _replay_flops(
+                        d["replayed"], flops, d.get("replays_by_call")
+                    )
                 row["replay_flops"] += est
                 row["replay_flops_low"] += low
                 row["replay_flops_high"] += high
@@ -503,20 +525,25 @@ class profile:
                 exact = exact and ok
             region_fwd_flops += region_flops
             enter, exit_ = r["enter"], r["exit"]
-            regions.append({
-                "index": index,
-                "engine": r["engine"],
-                "replay_budget": None if r["replay_budget"] is None else r["replay_budget"].bytes,
-                "replay_budget_counts_saved": (
-                    r["replay_budget"] is not None and r["replay_budget"].counts_saved),
-                "enter_sample": enter,
-                "exit_sample": exit_,
-                "forward_delta_bytes": (
-                    None if exit_ is None else self._bytes[exit_] - self._bytes[enter]
-                ),
-                "forward_flops": region_flops if self._count_flops else None,
-                "stats": {k: int(v) for k, v in stats.items()},
-            })
+            regions.append(
+                {
+                    "index": index,
+                    "engine": r["engine"],
+                    "replay_budget": None
+                    if r["replay_budget"] is None
+                    else r["replay_budget"].bytes,
+                    "replay_budget_counts_saved": (
+                        r["replay_budget"] is not None and r["replay_budget"].counts_saved
+                    ),
+                    "enter_sample": enter,
+                    "exit_sample": exit_,
+                    "forward_delta_bytes": (
+                        None if exit_ is None else self._bytes[exit_] - self._bytes[enter]
+                    ),
+                    "forward_flops": region_flops if self._count_flops else None,
+                    "stats": {k: int(v) for k, v in stats.items()},
+                }
+            )
         flop_keys = ("forward_flops", "replay_flops", "replay_flops_low", "replay_flops_high")
         rows = []
         for row in ops.values():
@@ -528,36 +555,45 @@ class profile:
         fwd_end = self._forward_end
         step_ns = t_end - self._t0
         forward_ns = (self._t_forward_end - self._t0) if fwd_end else step_ns
-        totals.update({
-            "regions": len(regions),
-            "activation_bytes": self._fwd.retained if fwd_end else None,
-            "peak_bytes": self._whole.peak,
-            "forward_peak_bytes": self._fwd.peak,
-            "backward_peak_bytes": (
-                self._bwd.start - self._start + self._bwd.peak if fwd_end else None
-            ),
-            "end_bytes": self._whole.delta,
-            "step_ns": step_ns,
-            "forward_ns": forward_ns,
-            "backward_ns": (t_end - self._t_forward_end) if fwd_end else None,
-        })
+        totals.update(
+            {
+                "regions": len(regions),
+                "activation_bytes": self._fwd.retained if fwd_end else None,
+                "peak_bytes": self._whole.peak,
+                "forward_peak_bytes": self._fwd.peak,
+                "backward_peak_bytes": (
+                    self._bwd.start - self._start + self._bwd.peak if fwd_end else None
+                ),
+                "end_bytes": self._whole.delta,
+                "step_ns": step_ns,
+                "forward_ns": forward_ns,
+                "backward_ns": (t_end - self._t_forward_end) if fwd_end else None,
+            }
+        )
         if self._count_flops:
-            totals.update({
-                "forward_flops": self._fwd_flops,
-                "backward_flops": self._bwd_flops,
-                "region_forward_flops": region_fwd_flops,
-                "replay_flops": _round(replay_est),
-                "replay_flops_low": _round(replay_low),
-                "replay_flops_high": _round(replay_high),
-                "replay_flops_exact": exact,
-            })
+            totals.update(
+                {
+                    "forward_flops": self._fwd_flops,
+                    "backward_flops": self._bwd_flops,
+                    "region_forward_flops": region_fwd_flops,
+                    "replay_flops": _round(replay_est),
+                    "replay_flops_low": _round(replay_low),
+                    "replay_flops_high": _round(replay_high),
+                    "replay_flops_exact": exact,
+                }
+            )
         else:
-            for k in ("forward_flops", "backward_flops", "region_forward_flops", "replay_flops",
-                      "replay_flops_low", "replay_flops_high", "replay_flops_exact"):
+            for k in (
+                "forward_flops",
+                "backward_flops",
+                "region_forward_flops",
+                "replay_flops",
+                "replay_flops_low",
+                "replay_flops_high",
+                "replay_flops_exact",
+            ):
                 totals[k] = None
-        labels = [
-            label if isinstance(label, str) else _op_name(label) for label in self._labels
-        ]
+        labels = [label if isinstance(label, str) else _op_name(label) for label in self._labels]
         return {
             "format": FORMAT,
             "label": self.label,
@@ -706,7 +742,9 @@ class profile:
         if baseline is not None:
             if isinstance(baseline, profile):
                 baseline = {baseline.label or "baseline": baseline}
-            if not isinstance(baseline, dict) or not all(isinstance(p, profile) for p in baseline.values()):
+            if not isinstance(baseline, dict) or not all(
+                isinstance(p, profile) for p in baseline.values()
+            ):
                 raise TypeError(
                     "torch_sac.profile.plot: baseline must be a torch_sac.profile or a "
                     "dict {label: torch_sac.profile}"
@@ -729,13 +767,21 @@ class profile:
 # Helpers
 # --------------------------------------------------------------------------
 
+
 def _empty_row(op):
     row = {"op": op}
     row.update({k: 0 for k in _OP_FIELDS})
-    row.update({
-        "forward_calls": 0, "forward_flops": 0, "replay_flops": 0.0, "replay_flops_low": 0,
-        "replay_flops_high": 0, "replay_flops_exact": True, "most_replays": 0,
-    })
+    row.update(
+        {
+            "forward_calls": 0,
+            "forward_flops": 0,
+            "replay_flops": 0.0,
+            "replay_flops_low": 0,
+            "replay_flops_high": 0,
+            "replay_flops_exact": True,
+            "most_replays": 0,
+        }
+    )
     return row
 
 
@@ -782,8 +828,9 @@ def _format_table(data, max_rows, sort_by):
     title = "torch_sac.profile" + (f" [{data['label']}]" if data["label"] else "")
     dropins = sum(r.get("engine") == "dropin" for r in data["regions"])
     if dropins:
-        regions = (f"{t['regions']} region(s) ({t['regions'] - dropins} sac_context, "
-                   f"{dropins} drop-in)")
+        regions = (
+            f"{t['regions']} region(s) ({t['regions'] - dropins} sac_context, {dropins} drop-in)"
+        )
     else:
         regions = f"{t['regions']} sac_context region(s)"
     lines.append(f"{title}: {regions}, device {data['device']}, adapter {data['adapter']}")
@@ -821,8 +868,12 @@ def _format_table(data, max_rows, sort_by):
 
         def fmt(r):
             cells = [
-                r["op"], str(r["saved"]), str(r["dropped"]), format_bytes(r["saved_bytes"]),
-                format_bytes(r["dropped_bytes"]), str(r["replayed"]),
+                r["op"],
+                str(r["saved"]),
+                str(r["dropped"]),
+                format_bytes(r["saved_bytes"]),
+                format_bytes(r["dropped_bytes"]),
+                str(r["replayed"]),
             ]
             if most:
                 cells.append(str(r["most_replays"]) if "most_replays" in r else "")
@@ -835,10 +886,14 @@ def _format_table(data, max_rows, sort_by):
         table += [fmt(r) for r in shown]
         total = {
             "op": "total",
-            "saved": t["saved_ops"], "dropped": t["dropped_ops"],
-            "saved_bytes": t["saved_bytes"], "dropped_bytes": t["dropped_bytes"],
-            "replayed": t["replayed_ops"], "replay_ns": t["replay_ns"],
-            "replay_flops": t["replay_flops"], "replay_flops_exact": t["replay_flops_exact"],
+            "saved": t["saved_ops"],
+            "dropped": t["dropped_ops"],
+            "saved_bytes": t["saved_bytes"],
+            "dropped_bytes": t["dropped_bytes"],
+            "replayed": t["replayed_ops"],
+            "replay_ns": t["replay_ns"],
+            "replay_flops": t["replay_flops"],
+            "replay_flops_exact": t["replay_flops_exact"],
         }
         table.append(fmt(total))
         widths = [max(len(r[c]) for r in table) for c in range(len(header))]
@@ -853,7 +908,9 @@ def _format_table(data, max_rows, sort_by):
         if len(shown) < len(rows):
             notes.append(f"{len(rows) - len(shown)} more op rows not shown")
         if hidden:
-            notes.append(f"{hidden} ops that allocated nothing and were never replayed (views) not shown")
+            notes.append(
+                f"{hidden} ops that allocated nothing and were never replayed (views) not shown"
+            )
         if notes:
             lines.append("(" + "; ".join(notes) + ")")
     lines.append(
@@ -866,15 +923,23 @@ def _format_table(data, max_rows, sort_by):
         lines.append(
             f"regions: {t['policy_calls']} policy calls; kept {format_bytes(t['saved_bytes'])} "
             f"({t['saved_ops']} ops), dropped {format_bytes(t['dropped_bytes'])} ({t['dropped_ops']} ops)"
-            + (f"; autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as "
-               "references" if dropins < t["regions"] else "")
+            + (
+                f"; autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as "
+                "references"
+                if dropins < t["regions"]
+                else ""
+            )
             + (f"; held copies {format_bytes(t['held_bytes'])}" if t["held_bytes"] else "")
         )
     lines.append(
         f"time:    step {_ms(t['step_ns'])} (forward {_ms(t['forward_ns'])}, backward "
         f"{_ms(t['backward_ns'])}); replay {_ms(t['replay_ns'])} ({t['replayed_ops']} ops); "
         f"recording overhead {_ms(t['record_ns'])}"
-        + ("; per-op sampling adds Python time to the step" if data["timeline_sampling"] == "op" else "")
+        + (
+            "; per-op sampling adds Python time to the step"
+            if data["timeline_sampling"] == "op"
+            else ""
+        )
     )
     if flops:
         replay = _flops_str(t["replay_flops"])
@@ -933,18 +998,30 @@ def _plot_timelines(ax, curves, highlight):
             # that counts saved outputs includes what its region left.
             budgets = [
                 max(r["replay_budget"] - (r.get("forward_delta_bytes") or 0), 0)
-                if r.get("replay_budget_counts_saved") else r["replay_budget"]
-                for r in data["regions"] if r.get("replay_budget") is not None
+                if r.get("replay_budget_counts_saved")
+                else r["replay_budget"]
+                for r in data["regions"]
+                if r.get("replay_budget") is not None
             ]
             if budgets:
                 level = tl["bytes"][fe["sample"]] + sum(budgets)
-                ax.axhline(level / 2**20, color=line.get_color(), ls="--", lw=1,
-                           label=f"{name}: forward end + replay budget")
+                ax.axhline(
+                    level / 2**20,
+                    color=line.get_color(),
+                    ls="--",
+                    lw=1,
+                    label=f"{name}: forward end + replay budget",
+                )
         if name == highlight:
             for r in data["regions"]:
                 if r["exit_sample"] is not None:
-                    ax.axvspan(t_ms[r["enter_sample"]], t_ms[r["exit_sample"]],
-                               color=line.get_color(), alpha=0.07, lw=0)
+                    ax.axvspan(
+                        t_ms[r["enter_sample"]],
+                        t_ms[r["exit_sample"]],
+                        color=line.get_color(),
+                        alpha=0.07,
+                        lw=0,
+                    )
     what = ["dotted: end of forward"]
     if highlight is not None and curves.get(highlight, {}).get("regions"):
         what.append("shaded: regions")
@@ -980,7 +1057,9 @@ def plot_memory(profiles, path, title=None):
     Needs matplotlib (Agg backend).
     """
     if not isinstance(profiles, dict) or not profiles:
-        raise TypeError("torch_sac.profiler.plot_memory: pass a non-empty dict {label: torch_sac.profile}")
+        raise TypeError(
+            "torch_sac.profiler.plot_memory: pass a non-empty dict {label: torch_sac.profile}"
+        )
     fig = _figure(figsize=(10, 4.5))
     ax = fig.subplots()
     curves = {name: p._results("plot") for name, p in profiles.items()}

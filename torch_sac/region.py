@@ -85,8 +85,9 @@ class sac_context:
         * With grad disabled or in inference mode nothing is recorded.
     """
 
-    def __init__(self, policy, *, allow_cache_entry_mutation=False, replay_budget=None,
-                 replay_schedule=None):
+    def __init__(
+        self, policy, *, allow_cache_entry_mutation=False, replay_budget=None, replay_schedule=None
+    ):
         if torch.compiler.is_compiling():
             _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
@@ -103,11 +104,13 @@ class sac_context:
         if replay_schedule is not None and not isinstance(replay_schedule, ReplaySchedule):
             raise TypeError(
                 "torch_sac.sac_context: replay_schedule must be a torch_sac.ReplaySchedule "
-                f"(e.g. region.replay_schedule() or ReplaySchedule.load(path)), got {replay_schedule!r}")
+                f"(e.g. region.replay_schedule() or ReplaySchedule.load(path)), got {replay_schedule!r}"
+            )
         if replay_schedule is not None and replay_budget is not None:
             raise ValueError(
                 "torch_sac.sac_context: pass replay_budget or replay_schedule, not both: the "
-                "schedule already says what each rebuild keeps")
+                "schedule already says what each rebuild keeps"
+            )
         self._replay_schedule = replay_schedule
         self._region = None
         self._owner = False
@@ -123,7 +126,8 @@ class sac_context:
                 raise ValueError(
                     "torch_sac.sac_context: replay_budget or replay_schedule is set on a region "
                     "nested in another one; nested regions record into the outermost region, "
-                    "whose backward applies: set it there")
+                    "whose backward applies: set it there"
+                )
             self._region = stack[-1]._region
             self._region.push_policy(self._policy)
             self._exits = [self._region.pop_policy]
@@ -256,4 +260,3 @@ class sac_context:
     def _check_used(self, what):
         if self._region is None:
             raise RuntimeError(f"torch_sac.sac_context.{what}: the context was never entered")
-

@@ -29,11 +29,13 @@ class TensorKey(tuple):
     def __new__(cls, op, call_index, output=0):
         if not isinstance(op, str) or "::" not in op:
             raise ValueError(
-                f"torch_sac.ReplaySchedule: an op is named like 'aten::mm.default', got {op!r}")
+                f"torch_sac.ReplaySchedule: an op is named like 'aten::mm.default', got {op!r}"
+            )
         for name, value in (("call_index", call_index), ("output", output)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise ValueError(
-                    f"torch_sac.ReplaySchedule: {name} must be an int >= 0, got {value!r}")
+                    f"torch_sac.ReplaySchedule: {name} must be an int >= 0, got {value!r}"
+                )
         if "." not in op.split("::", 1)[1]:
             op += ".default"
         return super().__new__(cls, (op, int(call_index), int(output)))
@@ -83,11 +85,16 @@ class ReplaySchedule:
             if not isinstance(step, (tuple, list)) or len(step) not in (2, 3):
                 raise ValueError(
                     "torch_sac.ReplaySchedule: each rebuild is (unpacked key, [kept keys]) or "
-                    f"(unpacked key, [kept keys], [released keys]), got {step!r}")
+                    f"(unpacked key, [kept keys], [released keys]), got {step!r}"
+                )
             unpacked, keep, release = (*step, ()) if len(step) == 2 else step
-            self.rebuilds.append(RebuildStep(
-                TensorKey(*unpacked), [TensorKey(*k) for k in keep],
-                [TensorKey(*k) for k in release]))
+            self.rebuilds.append(
+                RebuildStep(
+                    TensorKey(*unpacked),
+                    [TensorKey(*k) for k in keep],
+                    [TensorKey(*k) for k in release],
+                )
+            )
 
     def policy(self):
         """A policy saving exactly :attr:`saved` (decided in C++)."""
@@ -111,8 +118,11 @@ class ReplaySchedule:
             "format": FORMAT,
             "saved": [list(c) for c in self.saved],
             "rebuilds": [
-                {"unpacked": list(step.unpacked), "keep": [list(k) for k in step.keep],
-                 "release": [list(k) for k in step.release]}
+                {
+                    "unpacked": list(step.unpacked),
+                    "keep": [list(k) for k in step.keep],
+                    "release": [list(k) for k in step.release],
+                }
                 for step in self.rebuilds
             ],
         }
@@ -121,9 +131,13 @@ class ReplaySchedule:
     def from_dict(cls, data):
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"torch_sac.ReplaySchedule.from_dict: not a {FORMAT} dict (format {found!r})")
-        return cls([(r["unpacked"], r["keep"], r.get("release", ())) for r in data["rebuilds"]],
-                   data.get("saved", ()))
+            raise ValueError(
+                f"torch_sac.ReplaySchedule.from_dict: not a {FORMAT} dict (format {found!r})"
+            )
+        return cls(
+            [(r["unpacked"], r["keep"], r.get("release", ())) for r in data["rebuilds"]],
+            data.get("saved", ()),
+        )
 
     def save(self, path):
         write_json(path, self.to_dict())
@@ -134,8 +148,10 @@ class ReplaySchedule:
 
     def _steps(self):
         """The rebuilds as the C++ region takes them."""
-        return [(tuple(step.unpacked), [tuple(k) for k in step.keep],
-                 [tuple(k) for k in step.release]) for step in self.rebuilds]
+        return [
+            (tuple(step.unpacked), [tuple(k) for k in step.keep], [tuple(k) for k in step.release])
+            for step in self.rebuilds
+        ]
 
     def __eq__(self, other):
         return isinstance(other, ReplaySchedule) and self.to_dict() == other.to_dict()
@@ -143,9 +159,12 @@ class ReplaySchedule:
     def __repr__(self):
         kept = sum(len(step.keep) for step in self.rebuilds)
         released = sum(len(step.release) for step in self.rebuilds)
-        return (f"<torch_sac.ReplaySchedule: {len(self.saved)} saved calls, "
-                f"{len(self.rebuilds)} rebuilds keeping {kept} tensors"
-                + (f", releasing {released}" if released else "") + ">")
+        return (
+            f"<torch_sac.ReplaySchedule: {len(self.saved)} saved calls, "
+            f"{len(self.rebuilds)} rebuilds keeping {kept} tensors"
+            + (f", releasing {released}" if released else "")
+            + ">"
+        )
 
 
 def as_call(c):
@@ -153,7 +172,9 @@ def as_call(c):
     try:
         op, call = c
     except (TypeError, ValueError):
-        raise ValueError(f"torch_sac.ReplaySchedule: a saved call is (op, call_index), got {c!r}") from None
+        raise ValueError(
+            f"torch_sac.ReplaySchedule: a saved call is (op, call_index), got {c!r}"
+        ) from None
     key = TensorKey(op, call)
     return key.op, key.call_index
 

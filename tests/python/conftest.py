@@ -45,6 +45,7 @@ LOSS_SEED = 7
 # Policy helpers
 # --------------------------------------------------------------------------
 
+
 def is_save(decision):
     """Normalise any accepted policy return value to 'save?' (True/False)."""
     if isinstance(decision, bool):
@@ -56,7 +57,11 @@ def is_save(decision):
     raise AssertionError(f"unexpected policy value {decision!r}")
 
 
-_BATCH_NORM_KERNELS = ("aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm")
+_BATCH_NORM_KERNELS = (
+    "aten::native_batch_norm",
+    "aten::cudnn_batch_norm",
+    "aten::miopen_batch_norm",
+)
 
 
 def mutates_args(op):
@@ -78,7 +83,8 @@ def assert_drop_in_cached(saved, decided, invalidated, label):
     assert set(saved) <= cacheable, f"{label}: cached calls the policy did not save"
     assert len(cacheable) - len(set(saved)) == invalidated, (
         f"{label}: {len(cacheable)} cacheable saved calls, {len(set(saved))} cached, "
-        f"{invalidated} invalidated")
+        f"{invalidated} invalidated"
+    )
 
 
 def not_ignored(ops):
@@ -163,8 +169,9 @@ def torch_sac_asks_policy_in_recompute():
 
         x = torch.ones(2, requires_grad=True)
         ctx_fn = lambda: tc.create_selective_checkpoint_contexts(policy)  # noqa: E731
-        tc.checkpoint(lambda t: t.sin().cos(), x, use_reentrant=False,
-                      context_fn=ctx_fn).sum().backward()
+        tc.checkpoint(
+            lambda t: t.sin().cos(), x, use_reentrant=False, context_fn=ctx_fn
+        ).sum().backward()
         assert False in flags, "PyTorch's SAC never asked its policy in forward"
         _TORCH_SAC_ASKS_IN_RECOMPUTE.append(True in flags)
     return _TORCH_SAC_ASKS_IN_RECOMPUTE[0]
@@ -238,6 +245,7 @@ def make_every_nth_fn(ops, n):
 # --------------------------------------------------------------------------
 # Context factories
 # --------------------------------------------------------------------------
+
 
 def sac_ignored(op):
     """Ops neither SAC shows to a policy nor caches (PyTorch's set of the
@@ -411,7 +419,9 @@ def run_model(builder, context_fn=None, seed=RUN_SEED, forward_fn=None):
     loss_of(out).backward()
     return RunResult(
         out=out.detach().clone(),
-        param_grads={n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        param_grads={
+            n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()
+        },
         input_grad=None if x.grad is None else x.grad.clone(),
         buffers={n: b.clone() for n, b in module.named_buffers()},
     )
@@ -419,7 +429,9 @@ def run_model(builder, context_fn=None, seed=RUN_SEED, forward_fn=None):
 
 def assert_tensors_equal(a, b, what):
     assert a is not None and b is not None, f"{what}: missing tensor ({a is None}, {b is None})"
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    assert a.shape == b.shape and a.dtype == b.dtype, (
+        f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    )
     if not torch.equal(a, b):
         diff = (a.double() - b.double()).abs().max().item()
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff:.3g})")
@@ -430,7 +442,9 @@ def assert_grads_equal(res, ref, label):
     assert_tensors_equal(res.out, ref.out, f"{label}: output")
     assert res.param_grads.keys() == ref.param_grads.keys()
     for name in ref.param_grads:
-        assert_tensors_equal(res.param_grads[name], ref.param_grads[name], f"{label}: grad of {name}")
+        assert_tensors_equal(
+            res.param_grads[name], ref.param_grads[name], f"{label}: grad of {name}"
+        )
     assert_tensors_equal(res.input_grad, ref.input_grad, f"{label}: input grad")
 
 
@@ -443,6 +457,7 @@ def assert_buffers_equal(res, ref, label):
 # --------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------
+
 
 def _dispatch_state():
     return (
@@ -496,4 +511,3 @@ def reference_results():
         return cache[name]
 
     return get
-

@@ -25,6 +25,7 @@ def min_recompute(deps, demands, slots):
     n = len(deps)
     stages = [d for k, d in enumerate(demands) if k == 0 or demands[k - 1] != d]
     t_count = len(stages)
+
     # Index of S[t, i] for t in 0..t_count (t_count: after the last stage)
     # and R[t, i] for t in 0..t_count-1; node 0 gets no variables.
     def s(t, i):
@@ -57,12 +58,17 @@ def min_recompute(deps, demands, slots):
             # S[t+1, i] <= S[t, i] + R[t, i]
             constrain([(s(t + 1, i), 1), (s(t, i), -1), (r(t, i), -1)], -np.inf, 0)
         # Held after the stage, plus the node handed over unless kept.
-        constrain([(s(t + 1, i), 1) for i in range(1, n)] + [(s(t + 1, demand), -1)],
-                  -np.inf, slots - 1)
+        constrain(
+            [(s(t + 1, i), 1) for i in range(1, n)] + [(s(t + 1, demand), -1)], -np.inf, slots - 1
+        )
     objective = np.zeros(count)
     objective[r_base:] = 1
-    result = milp(objective, constraints=LinearConstraint(np.array(rows), lower, upper),
-                  integrality=np.ones(count), bounds=Bounds(0, 1))
+    result = milp(
+        objective,
+        constraints=LinearConstraint(np.array(rows), lower, upper),
+        integrality=np.ones(count),
+        bounds=Bounds(0, 1),
+    )
     assert result.success, result.message
     return int(round(result.fun))
 
@@ -70,4 +76,3 @@ def min_recompute(deps, demands, slots):
 def chain_deps(length):
     """x_i = f(x_{i-1})."""
     return [[]] + [[i - 1] for i in range(1, length + 1)]
-

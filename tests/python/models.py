@@ -283,8 +283,18 @@ class SizesDispatchingTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, inner):
         return torch.Tensor._make_wrapper_subclass(
-            cls, inner.size(), inner.stride(), None, None, inner.dtype, inner.layout,
-            inner.device, False, inner.requires_grad, "sizes")
+            cls,
+            inner.size(),
+            inner.stride(),
+            None,
+            None,
+            inner.dtype,
+            inner.layout,
+            inner.device,
+            False,
+            inner.requires_grad,
+            "sizes",
+        )
 
     def __init__(self, inner):
         self.inner = inner
@@ -295,4 +305,3 @@ class SizesDispatchingTensor(torch.Tensor):
 
         unwrapped = tree_map_only(cls, lambda t: t.inner, args)
         return tree_map_only(torch.Tensor, cls, func(*unwrapped, **(kwargs or {})))
-

@@ -28,6 +28,7 @@ from test_adversarial_replay import _leaves_grads, assert_same, on_threads
 
 try:
     from hypothesis import HealthCheck, given, settings, strategies as st
+
     HAVE_HYPOTHESIS = True
 except ImportError:  # pragma: no cover
     HAVE_HYPOTHESIS = False
@@ -49,6 +50,7 @@ POLICIES = {
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
+
 
 def assert_clean():
     assert torch_sac.region._stack() == [], "a region stayed on the stack"
@@ -127,7 +129,7 @@ class Block(nn.Module):
     def forward(self, h):
         y = F.dropout(self.bn(self.lin(h)), 0.3, training=self.training)
         z = self.wide(y)
-        a, b = z[:, : z.shape[1] // 2], z[:, z.shape[1] // 2:]
+        a, b = z[:, : z.shape[1] // 2], z[:, z.shape[1] // 2 :]
         y = a.relu_() * torch.sigmoid(b)
         y = y.t().contiguous().t()
         return h + y
@@ -174,6 +176,7 @@ def one_thread():
 # Peak plans on real-ish models
 # --------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bn_plan():
     """A plan for bn_model at 60% of its peak, planned from a saved state."""
@@ -186,8 +189,10 @@ def bn_plan():
     rng = torch.get_rng_state()
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
     seen = []  # num_batches_tracked after each BatchNorm forward while planning
-    hooks = [m.register_forward_hook(lambda m, i, o: seen.append(m.num_batches_tracked.item()))
-             for m in bns]
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: seen.append(m.num_batches_tracked.item()))
+        for m in bns
+    ]
     plan = budget(lambda: model(x).pow(2).mean(), peak_bytes=int(peak * 0.6))
     for h in hooks:
         h.remove()
@@ -329,9 +334,14 @@ def test_plan_on_a_transformer_with_dropout_and_a_convnet_with_batchnorm():
     class ConvNet(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList([
-                nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
-                for _ in range(5)])
+            self.blocks = nn.ModuleList(
+                [
+                    nn.Sequential(
+                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
+                    )
+                    for _ in range(5)
+                ]
+            )
 
         def forward(self, x):
             for b in self.blocks:
@@ -341,9 +351,13 @@ def test_plan_on_a_transformer_with_dropout_and_a_convnet_with_batchnorm():
     torch.manual_seed(0)
     tokens = torch.randint(0, 32, (2, 32))
     image = torch.randn(4, 8, 12, 12)
-    cases = [(TinyGPT(vocab=32, dim=32, heads=2, depth=4, dropout=0.1),
-              lambda m: m(tokens).float().pow(2).mean()),
-             (ConvNet(), lambda m: m(image).pow(2).mean())]
+    cases = [
+        (
+            TinyGPT(vocab=32, dim=32, heads=2, depth=4, dropout=0.1),
+            lambda m: m(tokens).float().pow(2).mean(),
+        ),
+        (ConvNet(), lambda m: m(image).pow(2).mean()),
+    ]
     for model, loss in cases:
         params = list(model.parameters())
         state0 = copy.deepcopy(model.state_dict())
@@ -375,8 +389,15 @@ def test_plan_with_checkpoints_and_regions_inside_fn():
             if i % 3 == 0 and kind == "nonreentrant":
                 h = tc.checkpoint(blk, i, h, use_reentrant=False)
             elif i % 3 == 0 and kind == "dropin":
-                h = tc.checkpoint(blk, i, h, use_reentrant=False, context_fn=functools.partial(
-                    torch_sac.create_selective_checkpoint_contexts, RA()))
+                h = tc.checkpoint(
+                    blk,
+                    i,
+                    h,
+                    use_reentrant=False,
+                    context_fn=functools.partial(
+                        torch_sac.create_selective_checkpoint_contexts, RA()
+                    ),
+                )
             elif i % 3 == 0 and kind == "region":
                 h = torch_sac.checkpoint(blk, i, h, policy=P.save_all())
             else:
@@ -503,6 +524,7 @@ def test_none_needed_plan_counts_the_replays_of_regions_inside_fn():
 # Budgets that count saved outputs
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy", ["save_all", "save_matmuls", "every2", "recompute_all"])
 @pytest.mark.parametrize("nbytes", [0, 1, 4096, 1 << 30])
 def test_counts_saved_budget_with_policies_that_save_a_lot(policy, nbytes):
@@ -510,7 +532,9 @@ def test_counts_saved_budget_with_policies_that_save_a_lot(policy, nbytes):
     size = 16 * 16 * 4
     want, _, _ = measured(fwd, leaves)
     rb = RB(nbytes, counts_saved=True)
-    got, _, region = measured(fwd, leaves, torch_sac.sac_context(POLICIES[policy](), replay_budget=rb))
+    got, _, region = measured(
+        fwd, leaves, torch_sac.sac_context(POLICIES[policy](), replay_budget=rb)
+    )
     assert_same(got, want)
     s = region.stats()
     assert s["peak_memo_bytes"] <= max(nbytes, size)
@@ -546,8 +570,9 @@ def test_counts_saved_budget_with_retain_graph_and_thread():
     for how in ("retain", "thread"):
         want = grads(contextlib.nullcontext(), how)
         for nbytes in (0, 3000):
-            ctx = torch_sac.sac_context(P.every_nth(aten.addmm.default, 3),
-                                        replay_budget=RB(nbytes, True))
+            ctx = torch_sac.sac_context(
+                P.every_nth(aten.addmm.default, 3), replay_budget=RB(nbytes, True)
+            )
             assert_same(grads(ctx, how), want, f"{how} {nbytes}")
 
 
@@ -570,6 +595,7 @@ def test_replay_budget_argument_errors():
 # --------------------------------------------------------------------------
 # Nested regions
 # --------------------------------------------------------------------------
+
 
 def nested_program(n=12, width=16, batch=8, seed=0):
     """Three levels deep, sibling inner regions, an inner region whose output
@@ -624,12 +650,16 @@ def test_nested_three_levels_siblings_unused_budgets_schedules_threads(outer, in
                 out = fn(lambda name: torch_sac.sac_context(POLICIES[inner]()))
             regions.append(r)
             return out
+
         return run
 
     for how in ("plain", "retain", "thread"):
         want = _grads(plain, leaves, how)
-        assert_same(_grads(under(lambda: torch_sac.sac_context(POLICIES[outer](), **kw)), leaves, how),
-                    want, how)
+        assert_same(
+            _grads(under(lambda: torch_sac.sac_context(POLICIES[outer](), **kw)), leaves, how),
+            want,
+            how,
+        )
         assert_clean()
     s = regions[0].stats()
     assert s["memo_bytes"] == 0
@@ -638,8 +668,10 @@ def test_nested_three_levels_siblings_unused_budgets_schedules_threads(outer, in
     # The recorded schedule runs again exactly.
     schedule = regions[0].replay_schedule()
     pol = schedule.policy() if schedule.saved else POLICIES[outer]()
-    assert_same(_grads(under(lambda: torch_sac.sac_context(pol, replay_schedule=schedule)), leaves),
-                _grads(plain, leaves))
+    assert_same(
+        _grads(under(lambda: torch_sac.sac_context(pol, replay_schedule=schedule)), leaves),
+        _grads(plain, leaves),
+    )
 
 
 def test_nested_inner_region_recomputes_like_nested_checkpoints():
@@ -684,8 +716,11 @@ def test_exception_inside_inner_regions_keeps_the_outer_region_exact():
         h = x
         for i, layer in enumerate(lin):
             try:
-                ctx = torch_sac.sac_context(P.save_all() if i % 2 else RA()) if with_regions \
+                ctx = (
+                    torch_sac.sac_context(P.save_all() if i % 2 else RA())
+                    if with_regions
                     else contextlib.nullcontext()
+                )
                 with ctx:
                     h = torch.tanh(layer(h))
                     if i in (3, 6):
@@ -701,6 +736,7 @@ def test_exception_inside_inner_regions_keeps_the_outer_region_exact():
         def run():
             with torch_sac.sac_context(RA(), **kw):
                 return fn(True)
+
         assert_same(_grads(run, leaves), want)
         assert_clean()
 
@@ -709,7 +745,9 @@ def test_apply_sac_inside_an_outer_region_with_budgets():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
+            self.layers = nn.ModuleList(
+                [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)]
+            )
 
         def forward(self, h):
             for layer in self.layers:
@@ -729,6 +767,7 @@ def test_apply_sac_inside_an_outer_region_with_budgets():
             def run():
                 with torch_sac.sac_context(P.save_matmuls(), **kw):
                     return m(x)
+
             assert_same(_grads(run, leaves), want, str(rb))
             assert_same(_grads(run, leaves, "thread"), want, f"thread {rb}")
     finally:
@@ -764,8 +803,25 @@ def test_peak_plan_of_fn_with_nested_regions():
 # peak plans of them
 # --------------------------------------------------------------------------
 
-_KINDS = ["tanh", "sin", "sigmoid", "relu_", "dropout", "ln", "bn", "maxidx", "mul", "add",
-          "matmul", "view", "enter", "exit", "unused", "inplace", "addinplace"]
+_KINDS = [
+    "tanh",
+    "sin",
+    "sigmoid",
+    "relu_",
+    "dropout",
+    "ln",
+    "bn",
+    "maxidx",
+    "mul",
+    "add",
+    "matmul",
+    "view",
+    "enter",
+    "exit",
+    "unused",
+    "inplace",
+    "addinplace",
+]
 
 
 def random_program(ops, seed, inner_policies, batch=4, width=8):
@@ -854,12 +910,21 @@ if HAVE_HYPOTHESIS:
     _step = st.tuples(st.sampled_from(_KINDS), st.integers(0, 30), st.integers(0, 30))
     _BUDGETS = [None, 0, 1, 200, 1000, RB(0, True), RB(300, True), RB(2000, True)]
 
-    @settings(max_examples=int(os.environ.get("ADV_PEAK_FUZZ_EXAMPLES", "300")), deadline=None,
-              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-    @given(ops=st.lists(_step, min_size=1, max_size=30), seed=st.integers(0, 5),
-           outer=st.sampled_from(sorted(POLICIES)),
-           inner=st.lists(st.sampled_from(sorted(POLICIES)), min_size=1, max_size=3),
-           rb=st.sampled_from(_BUDGETS), how=st.sampled_from(["plain", "retain", "thread"]))
+    @settings(
+        max_examples=int(os.environ.get("ADV_PEAK_FUZZ_EXAMPLES", "300")),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        ops=st.lists(_step, min_size=1, max_size=30),
+        seed=st.integers(0, 5),
+        outer=st.sampled_from(sorted(POLICIES)),
+        inner=st.lists(st.sampled_from(sorted(POLICIES)), min_size=1, max_size=3),
+        rb=st.sampled_from(_BUDGETS),
+        how=st.sampled_from(["plain", "retain", "thread"]),
+    )
     def test_random_nested_programs_are_exact(ops, seed, outer, inner, rb, how):
         fn, leaves, running, reset = random_program(ops, seed, inner)
         kw = {} if rb is None else {"replay_budget": rb}
@@ -874,7 +939,9 @@ if HAVE_HYPOTHESIS:
                 t.grad = None
             assert_clean()
             return
-        got, bufs, region, _ = _run_program(fn, leaves, running, reset, POLICIES[outer](), how, **kw)
+        got, bufs, region, _ = _run_program(
+            fn, leaves, running, reset, POLICIES[outer](), how, **kw
+        )
         assert_same(got, want)
         assert_same(bufs, want_bufs, "running stats")
         assert_clean()
@@ -885,15 +952,26 @@ if HAVE_HYPOTHESIS:
             assert s["peak_memo_bytes"] <= max(nbytes, 4 * 8 * 4)
         schedule = region.replay_schedule()
         pol = schedule.policy() if schedule.saved else POLICIES[outer]()
-        got, bufs, _, _ = _run_program(fn, leaves, running, reset, pol, how, replay_schedule=schedule)
+        got, bufs, _, _ = _run_program(
+            fn, leaves, running, reset, pol, how, replay_schedule=schedule
+        )
         assert_same(got, want, "schedule rerun")
         assert_same(bufs, want_bufs, "running stats (schedule rerun)")
 
-    @settings(max_examples=int(os.environ.get("ADV_PEAK_PLAN_EXAMPLES", "150")), deadline=None,
-              derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-    @given(ops=st.lists(_step, min_size=4, max_size=30), seed=st.integers(0, 5),
-           inner=st.lists(st.sampled_from(sorted(POLICIES)), min_size=1, max_size=3),
-           frac=st.sampled_from([0.5, 0.7, 0.85, 0.95]), regions=st.booleans())
+    @settings(
+        max_examples=int(os.environ.get("ADV_PEAK_PLAN_EXAMPLES", "150")),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        ops=st.lists(_step, min_size=4, max_size=30),
+        seed=st.integers(0, 5),
+        inner=st.lists(st.sampled_from(sorted(POLICIES)), min_size=1, max_size=3),
+        frac=st.sampled_from([0.5, 0.7, 0.85, 0.95]),
+        regions=st.booleans(),
+    )
     def test_random_peak_plans_fit_and_are_exact(ops, seed, inner, frac, regions):
         fn, leaves, running, reset = random_program(ops, seed, inner, batch=16, width=32)
         # The planned function is the whole step's forward, loss included, so

@@ -24,6 +24,7 @@ import torch_sac.region
 
 try:
     from hypothesis import HealthCheck, given, settings, strategies as st
+
     HAVE_HYPOTHESIS = True
 except ImportError:  # pragma: no cover
     HAVE_HYPOTHESIS = False
@@ -38,6 +39,7 @@ BUDGETS = [0, 1, 700, 3000, None]
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
+
 
 def _leaves_grads(leaves):
     out = []
@@ -72,7 +74,8 @@ def check_peak(region, budget, sizes=None):
     stats = region.stats()
     largest = max(sizes) if sizes else 0
     assert stats["peak_memo_bytes"] <= max(budget, largest), (
-        f"peak_memo_bytes {stats['peak_memo_bytes']} > max(budget {budget}, largest {largest})")
+        f"peak_memo_bytes {stats['peak_memo_bytes']} > max(budget {budget}, largest {largest})"
+    )
 
 
 def run(fn, leaves, *, budget=None, policy=None, region=True, backward=None, seed=0, schedule=None):
@@ -137,6 +140,7 @@ def tanh_chain(n, width=16, batch=8, seed=0):
 # retain_graph, autograd.grad with subsets, threads, several regions
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("passes", [2, 3])
 def test_retain_graph_repeated_backward(budget, passes):
@@ -161,7 +165,9 @@ def test_autograd_grad_input_subsets_then_full(budget):
     def results(region):
         torch.manual_seed(0)
         if region:
-            ctx = torch_sac.sac_context(RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget}))
+            ctx = torch_sac.sac_context(
+                RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget})
+            )
             with ctx:
                 out = fn()
         else:
@@ -246,6 +252,7 @@ def test_several_regions_each_with_a_budget(budgets):
     def fn(region):
         def kw(b):
             return {} if b is None else {"replay_budget": b}
+
         if region:
             with torch_sac.sac_context(RECOMPUTE_ALL(), **kw(budgets[0])):
                 h = fn1()
@@ -272,6 +279,7 @@ def test_several_regions_each_with_a_budget(budgets):
 # Outputs that are views or modified in place after the region
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget", [0, 500, None])
 def test_region_output_is_a_view_modified_in_place_later(budget):
     torch.manual_seed(0)
@@ -280,10 +288,12 @@ def test_region_output_is_a_view_modified_in_place_later(budget):
     leaves = [x, *lin.parameters()]
 
     def fn():
-        with torch_sac.sac_context(RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget})):
+        with torch_sac.sac_context(
+            RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget})
+        ):
             h = torch.sigmoid(lin(x))
-            a, b = h[:, :16], h[:, 16:]   # views of a saved-by-sigmoid tensor
-            c = torch.exp(a)             # exp saves its result
+            a, b = h[:, :16], h[:, 16:]  # views of a saved-by-sigmoid tensor
+            c = torch.exp(a)  # exp saves its result
         # outside: modify the non-saved view in place -> bumps h's version,
         # which sigmoid saved: plain autograd raises too.
         return c, b
@@ -337,7 +347,9 @@ def test_region_output_modified_in_place_where_autograd_allows(budget):
         return out
 
     def fn():
-        with torch_sac.sac_context(RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget})):
+        with torch_sac.sac_context(
+            RECOMPUTE_ALL(), **({} if budget is None else {"replay_budget": budget})
+        ):
             out = body()
         out.mul_(3)
         out.add_(torch.ones_like(out))
@@ -353,6 +365,7 @@ def test_region_output_modified_in_place_where_autograd_allows(budget):
 # Random ops, BatchNorm, in-place ops, multi-output ops
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget", [0, 1, 2000, None])
 def test_dropout_masks_identical_under_multiple_recomputation(budget):
     torch.manual_seed(0)
@@ -365,7 +378,7 @@ def test_dropout_masks_identical_under_multiple_recomputation(budget):
         for i, layer in enumerate(layers):
             h = F.dropout(torch.tanh(layer(h)), p=0.3, training=True)
             if i % 2:
-                h = h + 0.1 * torch.rand_like(h)          # another random op
+                h = h + 0.1 * torch.rand_like(h)  # another random op
                 h = h * torch.bernoulli(torch.full_like(h, 0.8))
         return h
 
@@ -381,7 +394,9 @@ def test_dropout_masks_identical_under_multiple_recomputation(budget):
 @pytest.mark.parametrize("passes", [1, 2])
 def test_batchnorm_running_stats_updated_once(budget, passes):
     torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())])
+    net = nn.Sequential(
+        *[m for _ in range(4) for m in (nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())]
+    )
     x = torch.randn(8, 16, requires_grad=True)
     leaves = [x, *net.parameters()]
     state0 = {k: v.clone() for k, v in net.state_dict().items()}
@@ -419,7 +434,7 @@ def test_in_place_ops_inside_region(budget):
             y.relu_()
             y.mul_(1.5)
             z = torch.sigmoid(y)
-            z.add_(y)          # z saved by sigmoid: not in place on it... sigmoid saved result
+            z.add_(y)  # z saved by sigmoid: not in place on it... sigmoid saved result
             h = torch.tanh(z.clone()) + h
         return h
 
@@ -451,10 +466,10 @@ def test_in_place_ops_inside_region_valid(budget):
         for layer in layers:
             y = layer(h)
             y.add_(bias)
-            y.relu_()            # saves result
-            y2 = y * 2           # saves nothing from y? mul by scalar
+            y.relu_()  # saves result
+            y2 = y * 2  # saves nothing from y? mul by scalar
             y2.add_(1.0)
-            y2.tanh_()           # tanh_ saves result
+            y2.tanh_()  # tanh_ saves result
             h = y2 * h + h.sin()  # mul saves both
         return h
 
@@ -470,10 +485,10 @@ def test_multi_output_ops(budget):
     leaves = [x, *lin.parameters(), *ln.parameters()]
 
     def fn():
-        h = ln(torch.tanh(lin(x)))                 # mean/rstd
+        h = ln(torch.tanh(lin(x)))  # mean/rstd
         a, b, c = h.split(8, dim=1)
         d, e = torch.chunk(torch.sin(h), 2, dim=1)
-        m, idx = torch.max(torch.exp(a), dim=1)   # indices saved
+        m, idx = torch.max(torch.exp(a), dim=1)  # indices saved
         s, si = torch.sort(b * c, dim=1)
         v, mu = torch.var_mean(d * e, dim=0)
         tk, ti = torch.topk(torch.cos(h), 3, dim=1)
@@ -493,6 +508,7 @@ def test_save_matmuls_with_budget(budget):
 # --------------------------------------------------------------------------
 # Custom Functions, nested torch.utils.checkpoint, double backward
 # --------------------------------------------------------------------------
+
 
 class SavesInputAndOutput(torch.autograd.Function):
     @staticmethod
@@ -638,10 +654,19 @@ def _run_scripts(codes, timeout=10):
     its stdout, "timeout" or "error: <stderr>"."""
     import subprocess
     import sys
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for code in codes]
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=dict(os.environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for code in codes
+    ]
     import time
+
     deadline = time.monotonic() + timeout
     results = []
     for proc in procs:
@@ -675,6 +700,7 @@ def test_backward_inside_open_region_does_not_hang():
 # schedule keys) compared with the python adapter. Gradients stay exact
 def test_replays_of_another_region_are_not_recorded():
     from torch.utils.checkpoint import CheckpointPolicy as CP
+
     seen = []
 
     def policy(ctx, op, *args, **kwargs):
@@ -695,6 +721,7 @@ def test_replays_of_another_region_are_not_recorded():
 # --------------------------------------------------------------------------
 # The replay budget's memory bound
 # --------------------------------------------------------------------------
+
 
 # Regression test (bug found by this review, fixed in 2a64ac6): replay_budget=0 holds two
 # rebuilt tensors: the target of a rebuild is always memoised strongly (materialize:
@@ -730,6 +757,7 @@ def test_peak_memo_bytes_within_budget_on_chains(n, slots):
 # --------------------------------------------------------------------------
 # Errors leave nothing installed
 # --------------------------------------------------------------------------
+
 
 def _fresh_run_works():
     fn, leaves, size = tanh_chain(4, seed=5)
@@ -787,6 +815,7 @@ def test_bad_budget_on_apply_sac_leaves_model_unchanged():
 # Replay schedules
 # --------------------------------------------------------------------------
 
+
 def _record(fn, leaves, policy=None, budget=None, backward=None):
     _, region, _ = run(fn, leaves, budget=budget, policy=policy, backward=backward)
     _leaves_grads(leaves)
@@ -798,8 +827,13 @@ def _schedule_exact_or_clear_error(fn, leaves, schedule, policy=None, backward=N
     ValueError naming the rebuild, leaving nothing installed."""
     want, _, _ = run(fn, leaves, region=False, backward=backward)
     try:
-        got, region, _ = run(fn, leaves, schedule=schedule, backward=backward,
-                             policy=policy if policy is not None else schedule.policy())
+        got, region, _ = run(
+            fn,
+            leaves,
+            schedule=schedule,
+            backward=backward,
+            policy=policy if policy is not None else schedule.policy(),
+        )
     except ValueError as e:
         _leaves_grads(leaves)
         assert "replay schedule" in str(e), str(e)
@@ -820,10 +854,15 @@ def test_recorded_schedule_replays_exactly(budget):
     assert region.replay_schedule() == schedule
 
 
-@pytest.mark.parametrize("record_policy,run_policy", [
-    ("recompute_all", "save_matmuls"), ("save_matmuls", "recompute_all"),
-    ("every3", "recompute_all"), ("recompute_all", "every3"),
-])
+@pytest.mark.parametrize(
+    "record_policy,run_policy",
+    [
+        ("recompute_all", "save_matmuls"),
+        ("save_matmuls", "recompute_all"),
+        ("every3", "recompute_all"),
+        ("recompute_all", "every3"),
+    ],
+)
 def test_schedule_recorded_with_one_policy_run_with_another(record_policy, run_policy):
     policies = {
         "recompute_all": RECOMPUTE_ALL,
@@ -854,7 +893,8 @@ def _edits(schedule):
 
     def make(i, **kw):
         return torch_sac.ReplaySchedule(
-            [s if j != i else _with(s, **kw) for j, s in enumerate(steps)], schedule.saved)
+            [s if j != i else _with(s, **kw) for j, s in enumerate(steps)], schedule.saved
+        )
 
     kept_before = []
     for i, step in enumerate(steps):
@@ -862,7 +902,7 @@ def _edits(schedule):
         if keep:
             yield f"fewer@{i}", make(i, keep=keep[:-1])
             yield f"reversed@{i}", make(i, keep=list(reversed(keep)))
-        extra = [t for t in targets[i + 1:] if t not in keep]
+        extra = [t for t in targets[i + 1 :] if t not in keep]
         if extra:
             yield f"more@{i}", make(i, keep=keep + extra[:1])
         if len(step) > 2:
@@ -872,8 +912,12 @@ def _edits(schedule):
                 yield f"extra-release@{i}", make(i, release=list(step[2]) + kept_before[-1:])
         kept_before.extend(keep)
     yield "dropped-last", torch_sac.ReplaySchedule(steps[:-1], schedule.saved)
-    yield "duplicated-keep", torch_sac.ReplaySchedule(
-        [_with(s, keep=list(s[1]) + list(s[1])) for s in steps], schedule.saved)
+    yield (
+        "duplicated-keep",
+        torch_sac.ReplaySchedule(
+            [_with(s, keep=list(s[1]) + list(s[1])) for s in steps], schedule.saved
+        ),
+    )
 
 
 def test_edited_schedules_are_exact_or_raise():
@@ -886,8 +930,9 @@ def test_edited_schedules_are_exact_or_raise():
         if region is not None:
             # What ran is what was asked, up to order within a step.
             ran = region.replay_schedule()
-            assert [(r[0], sorted(r[1])) for r in ran.rebuilds] == \
-                [(r[0], sorted(set(r[1]))) for r in edited.rebuilds], name
+            assert [(r[0], sorted(r[1])) for r in ran.rebuilds] == [
+                (r[0], sorted(set(r[1]))) for r in edited.rebuilds
+            ], name
     assert "raised" in outcomes.values()
 
 
@@ -896,7 +941,8 @@ def test_schedule_too_long_is_not_silently_accepted():
     fn, leaves, size = tanh_chain(6)
     schedule = _record(fn, leaves, budget=size)
     longer = torch_sac.ReplaySchedule(
-        schedule.rebuilds + [(("aten::tanh.default", 0, 0), [])], schedule.saved)
+        schedule.rebuilds + [(("aten::tanh.default", 0, 0), [])], schedule.saved
+    )
     want, _, _ = run(fn, leaves, region=False)
     try:
         got, region, _ = run(fn, leaves, schedule=longer, policy=longer.policy())
@@ -927,9 +973,12 @@ def test_schedule_under_retain_graph(budget, passes):
 
 def test_schedule_json_round_trip_with_odd_names(tmp_path):
     odd = torch_sac.ReplaySchedule(
-        [(("my.ns::op_with.dots", 3, 2), [("aten::_foo_bar.out", 0, 1), ("x::y.z", 7)]),
-         (("aten::add.Tensor", 0), [])],
-        saved=[("aten::mm", 1), ("odd_ns::weird_op.overload_2", 4)])
+        [
+            (("my.ns::op_with.dots", 3, 2), [("aten::_foo_bar.out", 0, 1), ("x::y.z", 7)]),
+            (("aten::add.Tensor", 0), []),
+        ],
+        saved=[("aten::mm", 1), ("odd_ns::weird_op.overload_2", 4)],
+    )
     path = tmp_path / "s.json"
     odd.save(path)
     loaded = torch_sac.ReplaySchedule.load(path)
@@ -938,12 +987,26 @@ def test_schedule_json_round_trip_with_odd_names(tmp_path):
     assert loaded.saved == [("aten::mm.default", 1), ("odd_ns::weird_op.overload_2", 4)]
     json.loads(path.read_text())
     loaded.policy()  # builds
-    for bad in ({"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", -1], "keep": []}]},
-                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", 1.5], "keep": []}]},
-                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", True], "keep": []}]},
-                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": [3, 1], "keep": []}]},
-                {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": ["aten::mm", 1], "keep": [5]}]},
-                {"format": "torch_sac.replay_schedule/1", "rebuilds": [], "saved": [["aten::mm"]]}):
+    for bad in (
+        {
+            "format": "torch_sac.replay_schedule/1",
+            "rebuilds": [{"unpacked": ["aten::mm", -1], "keep": []}],
+        },
+        {
+            "format": "torch_sac.replay_schedule/1",
+            "rebuilds": [{"unpacked": ["aten::mm", 1.5], "keep": []}],
+        },
+        {
+            "format": "torch_sac.replay_schedule/1",
+            "rebuilds": [{"unpacked": ["aten::mm", True], "keep": []}],
+        },
+        {"format": "torch_sac.replay_schedule/1", "rebuilds": [{"unpacked": [3, 1], "keep": []}]},
+        {
+            "format": "torch_sac.replay_schedule/1",
+            "rebuilds": [{"unpacked": ["aten::mm", 1], "keep": [5]}],
+        },
+        {"format": "torch_sac.replay_schedule/1", "rebuilds": [], "saved": [["aten::mm"]]},
+    ):
         with pytest.raises((ValueError, TypeError, KeyError)):
             torch_sac.ReplaySchedule.from_dict(bad)
 
@@ -952,6 +1015,7 @@ def test_schedule_with_custom_op_round_trips_and_runs(tmp_path):
     lib = "adv_replay_lib"
     name = f"{lib}::scaled_tanh"
     if not hasattr(torch.ops, lib) or not hasattr(getattr(torch.ops, lib), "scaled_tanh"):
+
         @torch.library.custom_op(name, mutates_args=())
         def scaled_tanh(x: torch.Tensor, s: float) -> torch.Tensor:
             return torch.tanh(x) * s
@@ -990,6 +1054,7 @@ def test_schedule_with_custom_op_round_trips_and_runs(tmp_path):
 # Hugging Face models (tiny configs, random weights, nothing downloaded)
 # --------------------------------------------------------------------------
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     n = torch.get_num_threads()
@@ -1005,8 +1070,12 @@ def _hf_step(name, how=None, budget=None, schedule=None):
     model.train()
     handle = region = None
     if how == "apply":
-        handle = torch_sac.apply_sac(model, RECOMPUTE_ALL(), modules=lambda m: any(m is l for l in layers),
-                                     replay_budget=budget)
+        handle = torch_sac.apply_sac(
+            model,
+            RECOMPUTE_ALL(),
+            modules=lambda m: any(m is layer for layer in layers),
+            replay_budget=budget,
+        )
     torch.manual_seed(hf.RUN_SEED)
     if how == "whole":
         kwargs = {"replay_budget": budget} if schedule is None else {"replay_schedule": schedule}
@@ -1037,8 +1106,11 @@ def test_hf_whole_model_one_region_budget_zero_and_schedule(name):
     _assert_hf_equal(got, want)
     assert got[3]["memos_skipped"] > 0
     schedule = got[4].replay_schedule()
-    again = _hf_step(name, "whole", schedule=torch_sac.ReplaySchedule.from_dict(
-        json.loads(json.dumps(schedule.to_dict()))))
+    again = _hf_step(
+        name,
+        "whole",
+        schedule=torch_sac.ReplaySchedule.from_dict(json.loads(json.dumps(schedule.to_dict()))),
+    )
     _assert_hf_equal(again, want)
     assert again[4].replay_schedule() == schedule
     assert_clean()
@@ -1109,38 +1181,61 @@ def _program(ops, seed):
 if HAVE_HYPOTHESIS:
     _step = st.tuples(st.sampled_from(_UNARY + _BINARY), st.integers(0, 30), st.integers(0, 30))
 
-    @settings(max_examples=int(os.environ.get("ADV_FUZZ_EXAMPLES", "200")), deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(ops=st.lists(_step, min_size=1, max_size=24),
-           budget=st.sampled_from([0, 1, 128, 400, 1500, None]),
-           policy=st.sampled_from(["recompute_all", "save_matmuls", "every2"]),
-           mode=st.sampled_from(["plain", "retain2", "grad_subset"]))
+    @settings(
+        max_examples=int(os.environ.get("ADV_FUZZ_EXAMPLES", "200")),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        ops=st.lists(_step, min_size=1, max_size=24),
+        budget=st.sampled_from([0, 1, 128, 400, 1500, None]),
+        policy=st.sampled_from(["recompute_all", "save_matmuls", "every2"]),
+        mode=st.sampled_from(["plain", "retain2", "grad_subset"]),
+    )
     def test_random_programs_are_exact(ops, budget, policy, mode):
         fn, leaves = _program(ops, seed=len(ops))
-        pol = {"recompute_all": RECOMPUTE_ALL, "save_matmuls": SAVE_MATMULS,
-               "every2": lambda: torch_sac.policies.every_nth([aten.tanh.default, aten.sin.default], 2)}[policy]()
+        pol = {
+            "recompute_all": RECOMPUTE_ALL,
+            "save_matmuls": SAVE_MATMULS,
+            "every2": lambda: torch_sac.policies.every_nth(
+                [aten.tanh.default, aten.sin.default], 2
+            ),
+        }[policy]()
         if mode == "plain":
             backward = None
         elif mode == "retain2":
+
             def backward(out):
                 loss = weighted_loss(out)
                 loss.backward(retain_graph=True)
                 loss.backward()
         else:
+
             def backward(out):
                 loss = weighted_loss(out)
                 gs = torch.autograd.grad(loss, leaves[1:], retain_graph=True, allow_unused=True)
-                gs = [g if g is not None else torch.zeros_like(l) for g, l in zip(gs, leaves[1:])]
+                gs = [
+                    g if g is not None else torch.zeros_like(leaf)
+                    for g, leaf in zip(gs, leaves[1:])
+                ]
                 (loss * 2).backward(inputs=leaves[:1])
                 for leaf, g in zip(leaves[1:], gs):
                     leaf.grad = g
+
         region = compare(fn, leaves, budget, policy=pol, backward=backward)
         # The schedule it ran runs again exactly (same policy).
         schedule = region.replay_schedule()
         want, _, _ = run(fn, leaves, region=False, backward=backward)
         try:
-            got, again, _ = run(fn, leaves, policy=pol if not schedule.saved else schedule.policy(),
-                                schedule=schedule, backward=backward)
+            got, again, _ = run(
+                fn,
+                leaves,
+                policy=pol if not schedule.saved else schedule.policy(),
+                schedule=schedule,
+                backward=backward,
+            )
         except ValueError as e:
             # A schedule is the last backward pass's rebuilds; two backward
             # calls that rebuild different tensors (grad w.r.t. a subset,
@@ -1157,14 +1252,22 @@ if HAVE_HYPOTHESIS:
 # The profiler: drop-in recompute FLOPs, most replays per call, the budget
 # --------------------------------------------------------------------------
 
+
 def _profiled(kind, layers, x, body, budget=0):
     import functools
+
     with torch_sac.profile() as prof:
         if kind == "plain":
             out = body(x)
         elif kind == "dropin":
-            out = tc.checkpoint(body, x, use_reentrant=False, context_fn=functools.partial(
-                torch_sac.create_selective_checkpoint_contexts, RECOMPUTE_ALL()))
+            out = tc.checkpoint(
+                body,
+                x,
+                use_reentrant=False,
+                context_fn=functools.partial(
+                    torch_sac.create_selective_checkpoint_contexts, RECOMPUTE_ALL()
+                ),
+            )
         else:
             with torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=budget) as region:
                 out = body(x)
@@ -1230,8 +1333,10 @@ def test_profile_replay_flops_exact_with_a_no_grad_op_in_the_region():
     details = {d["op"]: d for d in region.op_details()}
     calls = [(8, 32), (64, 64), (32, 16), (16, 64), (64, 8)]  # (in, out); the no_grad one second
     rows = [4, 2, 4, 4, 4]
-    true = sum(n * 2 * m * a * b for n, m, (a, b) in
-               zip(details["aten::addmm.default"]["replays_by_call"], rows, calls))
+    true = sum(
+        n * 2 * m * a * b
+        for n, m, (a, b) in zip(details["aten::addmm.default"]["replays_by_call"], rows, calls)
+    )
     (row,) = [r for r in prof.ops if r["op"] == "aten::addmm.default"]
     assert row["forward_calls"] == details["aten::addmm.default"]["dropped"]
     assert row["replay_flops_exact"] and row["replay_flops"] == true
@@ -1240,6 +1345,7 @@ def test_profile_replay_flops_exact_with_a_no_grad_op_in_the_region():
 # --------------------------------------------------------------------------
 # More shapes of programs
 # --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("budget", [0, 256, None])
 def test_in_place_on_views_of_dropped_tensors(budget):
@@ -1252,11 +1358,11 @@ def test_in_place_on_views_of_dropped_tensors(budget):
         h = x * 1.0
         for i, layer in enumerate(layers):
             y = layer(h)
-            y[:, :4].mul_(2.0)            # in place on a view
-            y.t()[3:7].add_(1.0)          # on a transposed view
+            y[:, :4].mul_(2.0)  # in place on a view
+            y.t()[3:7].add_(1.0)  # on a transposed view
             y.diagonal().sub_(0.5)
-            z = torch.sigmoid(y)          # saves its result
-            z2 = z.view(4, 32)            # a view of a dropped tensor, saved by exp
+            z = torch.sigmoid(y)  # saves its result
+            z2 = z.view(4, 32)  # a view of a dropped tensor, saved by exp
             h = torch.exp(z2).view(8, 16) * z + h.transpose(0, 1).contiguous().t()
         return h
 
@@ -1272,8 +1378,8 @@ def test_region_output_not_kept_alive(budget):
     def fn2():
         return weighted_loss(torch.sin(fn()))
 
-    want, _, _ = run(fn2, leaves, region=False, backward=lambda l: l.backward())
-    got, region, _ = run(fn2, leaves, budget=budget, backward=lambda l: l.backward())
+    want, _, _ = run(fn2, leaves, region=False, backward=lambda loss: loss.backward())
+    got, region, _ = run(fn2, leaves, budget=budget, backward=lambda loss: loss.backward())
     assert_same(got, want)
     assert_clean()
 
@@ -1298,6 +1404,7 @@ def test_autocast_bf16_inside_budgeted_region(budget):
 @pytest.mark.parametrize("budget", [0, 700])
 def test_dropin_contexts_inside_a_budgeted_region(budget):
     import functools
+
     fn0, leaves, size = tanh_chain(5)
     x = leaves[-1]
 
@@ -1306,8 +1413,14 @@ def test_dropin_contexts_inside_a_budgeted_region(budget):
 
     def fn():
         h = fn0()
-        h = tc.checkpoint(inner, h, use_reentrant=False, context_fn=functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, SAVE_MATMULS()))
+        h = tc.checkpoint(
+            inner,
+            h,
+            use_reentrant=False,
+            context_fn=functools.partial(
+                torch_sac.create_selective_checkpoint_contexts, SAVE_MATMULS()
+            ),
+        )
         return h * x.sum()
 
     compare(fn, leaves, budget)
@@ -1316,6 +1429,7 @@ def test_dropin_contexts_inside_a_budgeted_region(budget):
 @pytest.mark.parametrize("budget", [0, 700, None])
 def test_nested_region_with_must_save_under_budget(budget):
     from torch.utils.checkpoint import CheckpointPolicy as CP
+
     fn0, leaves, size = tanh_chain(6)
 
     def must_tanh(ctx, op, *args, **kwargs):
@@ -1345,9 +1459,9 @@ def test_allow_cache_entry_mutation_same_with_and_without_budget(budget):
     def fn():
         h = x
         for layer in layers:
-            y = layer(h)                  # addmm: saved
+            y = layer(h)  # addmm: saved
             h = torch.tanh(y) * torch.sin(y)
-            y.mul_(0.0)                   # modified after use (not saved by autograd)... 
+            y.mul_(0.0)  # modified after use (not saved by autograd)...
         return h
 
     def region_grads(b):
@@ -1391,7 +1505,7 @@ def test_outside_tensor_modified_during_backward_raises_or_is_exact(budget):
     def fn():
         h = x
         for i, w in enumerate(ws):
-            h = torch.tanh(h + w)          # add saves nothing; w is read by the replay
+            h = torch.tanh(h + w)  # add saves nothing; w is read by the replay
             if i == 2:
                 h.register_hook(bump)
         return h
@@ -1454,8 +1568,17 @@ def test_two_threads_each_with_its_own_budgeted_region():
 # (peak_memo_bytes 512 > max(0, 128)). Rebuilt targets are memoised strongly whatever the
 # budget (see test_peak_memo_bytes_within_budget_two_pending_targets)
 def test_peak_memo_bytes_within_budget_random_program():
-    ops = [('tanh', 29, 2), ('addcmul', 16, 20), ('exp_small', 5, 16), ('addcmul', 25, 28),
-           ('relu_', 9, 9), ('matmul', 9, 27), ('tanh_', 11, 5), ('matmul', 22, 23), ('maxidx', 19, 2)]
+    ops = [
+        ("tanh", 29, 2),
+        ("addcmul", 16, 20),
+        ("exp_small", 5, 16),
+        ("addcmul", 25, 28),
+        ("relu_", 9, 9),
+        ("matmul", 9, 27),
+        ("tanh_", 11, 5),
+        ("matmul", 22, 23),
+        ("maxidx", 19, 2),
+    ]
     fn, leaves = _program(ops, seed=len(ops))
     region = compare(fn, leaves, 0)
     check_peak(region, 0, [4 * 8 * 4])

@@ -81,13 +81,16 @@ def test_finds_repeated_blocks_and_is_exact(builder, engine):
     model = make(builder)
     keys = list(model.state_dict())
     handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls(), engine=engine)
-    assert len(handle.modules) == 3 and all(isinstance(model.get_submodule(n), Block)
-                                           for n in handle.modules)
+    assert len(handle.modules) == 3 and all(
+        isinstance(model.get_submodule(n), Block) for n in handle.modules
+    )
     assert list(model.state_dict()) == keys
     assert_same_step(step(model, X), ref, f"apply_sac {engine}")
     stats = handle.stats()
     assert set(stats["per_module"]) == set(handle.modules)
-    assert stats["total"]["policy_calls"] == sum(s["policy_calls"] for s in stats["per_module"].values())
+    assert stats["total"]["policy_calls"] == sum(
+        s["policy_calls"] for s in stats["per_module"].values()
+    )
     assert stats["total"]["policy_calls"] > 0
     if engine == "region":
         assert stats["total"]["dropped_bytes"] > 0
@@ -106,8 +109,11 @@ def test_modules_by_class_predicate_and_per_module_policy():
     # The Linears inside blocks are selected too (no Block is selected).
     assert len(handle.modules) == 2 + 3 * 2 and len(seen) == len(handle.modules)
     handle.remove()
-    handle = torch_sac.apply_sac(model, torch_sac.policies.recompute_all(),
-                                 modules=lambda m: isinstance(m, Block) and m is not model.layers["1"])
+    handle = torch_sac.apply_sac(
+        model,
+        torch_sac.policies.recompute_all(),
+        modules=lambda m: isinstance(m, Block) and m is not model.layers["1"],
+    )
     assert handle.modules == ["layers.0", "layers.2"]
     ref = step(make(TitanStyle), X)
     assert_same_step(step(model, X), ref, "predicate")
@@ -134,8 +140,9 @@ def test_errors():
     with pytest.raises(RuntimeError, match="already checkpointed"):
         torch_sac.apply_sac(model, torch_sac.policies.recompute_all())
     with pytest.raises(ValueError, match="found no repeated blocks"):
-        torch_sac.apply_sac(nn.Sequential(nn.Linear(2, 2), nn.ReLU()),
-                            torch_sac.policies.recompute_all())
+        torch_sac.apply_sac(
+            nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch_sac.policies.recompute_all()
+        )
     with pytest.raises(ValueError, match="engine"):
         torch_sac.apply_sac(make(TitanStyle), torch_sac.policies.recompute_all(), engine="nope")
     with pytest.raises(TypeError, match="modules must be"):
@@ -148,8 +155,14 @@ def test_hugging_face_layers_found(engine):
 
     transformers.logging.set_verbosity_error()
     config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
     def build():
         torch.manual_seed(0)
@@ -172,7 +185,9 @@ def test_hugging_face_layers_found(engine):
         # With a KV cache the re-run forward attends over the keys the first
         # run cached: 24 positions instead of 12. The drop-in refuses.
         # The refusal names the cache and both fixes.
-        with pytest.raises(RuntimeError, match="recompute does not match forward: aten::cat") as err:
+        with pytest.raises(
+            RuntimeError, match="recompute does not match forward: aten::cat"
+        ) as err:
             run(model, use_cache=True)
         message = str(err.value)
         assert "grew along dim 2 from 12 to 24" in message, message
@@ -242,6 +257,7 @@ def test_budget_of_a_single_block_is_unchanged():
 #   keeps exactly the activations of the un-checkpointed run.
 # ==========================================================================
 
+
 def build_titan():
     model = TitanStyle()
     return model, dict(x=X), list(model.layers.values())
@@ -257,10 +273,10 @@ def _titan_loss(out):
 
 # name -> (builder returning (model, batch kwargs, layers), loss of the output)
 WHOLE_MODELS = {
-    "gpt2": (hf.build_gpt2, _hf_loss),      # SDPA with dropout, dropout on residuals
-    "bert": (hf.build_bert, _hf_loss),      # encoder, padding mask, dropout
-    "llama": (hf.build_llama, _hf_loss),    # rotary embeddings, GQA, keyword tensors
-    "titan": (build_titan, _titan_loss),    # torchtitan's ModuleDict of blocks, dropout
+    "gpt2": (hf.build_gpt2, _hf_loss),  # SDPA with dropout, dropout on residuals
+    "bert": (hf.build_bert, _hf_loss),  # encoder, padding mask, dropout
+    "llama": (hf.build_llama, _hf_loss),  # rotary embeddings, GQA, keyword tensors
+    "titan": (build_titan, _titan_loss),  # torchtitan's ModuleDict of blocks, dropout
 }
 WHOLE_POLICIES = {
     "save_matmuls": torch_sac.policies.save_matmuls,
@@ -274,8 +290,11 @@ def install_torch_sac(layers, policy):
     apply_sac(engine="dropin") does with torch_sac's contexts instead)."""
     context_fn = functools.partial(tc.create_selective_checkpoint_contexts, policy.to_torch())
     for layer in layers:
+
         def forward(*args, _forward=layer.forward, **kwargs):
-            return tc.checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            return tc.checkpoint(
+                _forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+            )
 
         layer.forward = forward
 
@@ -337,7 +356,9 @@ def whole_torch_sac(name, policy_name):
     key = ("torch", name, policy_name, torch_sac.adapter())
     if key not in _WHOLE_CACHE:
         policy = WHOLE_POLICIES[policy_name]()
-        _, _, _, step, act, _ = run_whole(name, lambda model, layers: install_torch_sac(layers, policy))
+        _, _, _, step, act, _ = run_whole(
+            name, lambda model, layers: install_torch_sac(layers, policy)
+        )
         hf.assert_step_equal(step, whole_reference(name)[0], f"{name}: PyTorch SAC {policy_name}")
         _WHOLE_CACHE[key] = act
     return _WHOLE_CACHE[key]
@@ -384,8 +405,10 @@ def test_whole_model_exact_and_at_most_torch_sac_memory(name, policy_name, engin
     assert act < none_act, numbers
 
     handle.remove()
-    assert all("forward" not in layer.__dict__ and layer.forward.__func__ is type(layer).forward
-               for layer in layers)
+    assert all(
+        "forward" not in layer.__dict__ and layer.forward.__func__ is type(layer).forward
+        for layer in layers
+    )
     assert list(model.state_dict()) == keys[0]
     step, act = measured_step(model, batch, WHOLE_MODELS[name][1])
     hf.assert_step_equal(step, ref, f"{label} after remove()")

@@ -31,6 +31,7 @@ REL = 1e-7
 # The solver against an exact MILP (HiGHS)
 # --------------------------------------------------------------------------
 
+
 def milp_optimum(storage_bytes, values, item_storages, capacity):
     """max sum v_i x_i  s.t.  sum b_s y_s <= C,  x_i <= y_s for s in S_i,  binary."""
     n, m = len(values), len(storage_bytes)
@@ -205,7 +206,9 @@ def test_solver_value_is_monotone_in_the_budget():
         total = sum(storage_bytes)
         previous = -1.0
         for k in range(21):
-            sol = torch_sac._C.budget_solve(storage_bytes, values, item_storages, total * k // 20, "auto")
+            sol = torch_sac._C.budget_solve(
+                storage_bytes, values, item_storages, total * k // 20, "auto"
+            )
             assert sol["value"] >= previous * (1 - 1e-12)
             previous = sol["value"]
 
@@ -213,6 +216,7 @@ def test_solver_value_is_monotone_in_the_budget():
 # --------------------------------------------------------------------------
 # Profiles and plans on the test models
 # --------------------------------------------------------------------------
+
 
 def region_of(model_name):
     """A fresh model's first region and an example input for it."""
@@ -239,7 +243,9 @@ def test_profile_items_are_the_calls_the_contexts_see(model_name):
     recorder = RecordingPolicy(recompute_all_fn)
     fn2, x2 = region_of(model_name)
     torch.utils.checkpoint.checkpoint(
-        fn2, x2, use_reentrant=False,
+        fn2,
+        x2,
+        use_reentrant=False,
         context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts, recorder),
     )
     assert [r.op for r in profile.records] == recorder.ops
@@ -255,7 +261,13 @@ def test_aliasing_is_accounted_by_storage(gpt_plan):
     by_op = lambda op: [it for it in items if it.op is op]  # noqa: E731
     # Views and in-place ops allocate nothing; a view of a parameter keeps
     # nothing the region pays for.
-    for op in (aten.view.default, aten.transpose.int, aten.split.Tensor, aten.expand.default, aten.t.default):
+    for op in (
+        aten.view.default,
+        aten.transpose.int,
+        aten.split.Tensor,
+        aten.expand.default,
+        aten.t.default,
+    ):
         assert by_op(op) and all(it.new_bytes == 0 for it in by_op(op)), op
     assert all(it.bytes == 0 for it in by_op(aten.t.default))
     for op in (aten.add_.Tensor, aten.div_.Scalar, aten.bernoulli_.float):
@@ -373,8 +385,9 @@ def test_plan_describes_itself(gpt_plan):
     # Unfolded: a title, the header and its rule, one line per call, the summary.
     per_call = gpt_plan.table(max_rows=None, fold=False).splitlines()
     assert len(per_call) == 3 + len(gpt_plan.items) + len(SUMMARY_TERMS)
-    assert [line.split()[1] for line in per_call[3:3 + len(gpt_plan.items)]] == [
-        _op_name(it.op) for it in gpt_plan.items]
+    assert [line.split()[1] for line in per_call[3 : 3 + len(gpt_plan.items)]] == [
+        _op_name(it.op) for it in gpt_plan.items
+    ]
     assert "BudgetPolicy" in repr(gpt_plan) and "\n" not in gpt_plan.summary()
     first = gpt_plan.chosen[0]
     assert gpt_plan.is_saved(*first)
@@ -392,7 +405,9 @@ TITLE_LINES = 4  # two lines saying what a row is, the header, its rule
 
 def table_rows(table, count):
     """(op, call) of the first ``count`` rows of a folded table."""
-    return [tuple(line.split()[:2]) for line in table.splitlines()[TITLE_LINES:TITLE_LINES + count]]
+    return [
+        tuple(line.split()[:2]) for line in table.splitlines()[TITLE_LINES : TITLE_LINES + count]
+    ]
 
 
 def is_view_or_in_place(op):
@@ -404,7 +419,9 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
     record_of = {id(it): r for it, r in zip(gpt_plan.items, profile.records)}
     rows = gpt_plan.rows
     # Every call is in exactly one row or among the calls on outside storage.
-    placed = [id(it) for row in rows for it in row.calls] + [id(it) for it in gpt_plan.outside_calls]
+    placed = [id(it) for row in rows for it in row.calls] + [
+        id(it) for it in gpt_plan.outside_calls
+    ]
     assert sorted(placed) == sorted(id(it) for it in gpt_plan.items)
     for row in rows:
         # A row is headed by the call that allocated its storage...
@@ -434,7 +451,11 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
     # earlier releases use view.
     as_view = {aten._unsafe_view.default: aten.view.default}
     assert {as_view.get(it.op, it.op) for it in qkv.folded} == {
-        aten.split.Tensor, aten.view.default, aten.transpose.int, aten.expand.default}
+        aten.split.Tensor,
+        aten.view.default,
+        aten.transpose.int,
+        aten.expand.default,
+    }
     assert len(qkv.folded) == 12
     mask = by_head[(aten.empty_like.default, 0)]
     assert [it.op for it in mask.folded] == [aten.bernoulli_.float, aten.div_.Scalar]
@@ -446,10 +467,20 @@ def test_table_folds_views_and_in_place_ops_into_their_storage(gpt_plan):
     table = gpt_plan.table(max_rows=None)
     shown = table_rows(table, len(rows))
     assert shown == [(_op_name(row.item.op), str(row.item.call_index)) for row in rows]
-    assert not {op for op, _ in shown} & {"view", "t", "transpose.int", "split.Tensor", "expand",
-                                           "_unsafe_view", "add_.Tensor", "bernoulli_.float"}
+    assert not {op for op, _ in shown} & {
+        "view",
+        "t",
+        "transpose.int",
+        "split.Tensor",
+        "expand",
+        "_unsafe_view",
+        "add_.Tensor",
+        "bernoulli_.float",
+    }
     if any(it.op is aten._unsafe_view.default for it in qkv.folded):  # torch 2.15
-        assert all(part in table for part in ("view x3", "_unsafe_view", "transpose x4", "expand x3"))
+        assert all(
+            part in table for part in ("view x3", "_unsafe_view", "transpose x4", "expand x3")
+        )
     else:
         assert "view x4, transpose x4, expand x3, split" in table
     assert "bernoulli_, div_" in table
@@ -466,12 +497,14 @@ def test_table_shows_the_most_valuable_rows(gpt_plan):
     table = gpt_plan.table(max_rows=max_rows)
     lines = table.splitlines()
     assert table_rows(table, max_rows) == [
-        (_op_name(row.item.op), str(row.item.call_index)) for row in rows[:max_rows]]
+        (_op_name(row.item.op), str(row.item.call_index)) for row in rows[:max_rows]
+    ]
     more = lines[TITLE_LINES + max_rows]
     hidden = rows[max_rows:]
     hidden_cost = sum(row.cost for row in hidden)
-    assert more.startswith(f"... {len(hidden)} more rows: "
-                           f"{100 * hidden_cost / gpt_plan.total_cost:.1f}% of the cost, ")
+    assert more.startswith(
+        f"... {len(hidden)} more rows: {100 * hidden_cost / gpt_plan.total_cost:.1f}% of the cost, "
+    )
     # Every saved call is in a shown row, counted in that line, or among the
     # (free) calls on outside storage.
     hidden_saved = sum(row.saved_calls for row in hidden)
@@ -506,19 +539,22 @@ def test_table_decisions_are_the_heads(gpt_plan):
 
 def test_table_summary_defines_its_terms(gpt_plan):
     for plan in (gpt_plan, gpt_plan.with_budget(bytes=3000, solver="greedy")):
-        lines = plan.table().splitlines()[-len(SUMMARY_TERMS):]
+        lines = plan.table().splitlines()[-len(SUMMARY_TERMS) :]
         assert [line.split()[0] for line in lines] == list(SUMMARY_TERMS)
         summary = dict(zip(SUMMARY_TERMS, lines))
         assert format_bytes(plan.budget_bytes) in summary["budget"]
-        assert f"{format_bytes(plan.saved_bytes)}, {len(plan.chosen)} of {len(plan.items)} calls" \
+        assert (
+            f"{format_bytes(plan.saved_bytes)}, {len(plan.chosen)} of {len(plan.items)} calls"
             in summary["saved"]
+        )
         assert format_bytes(plan.activation_bytes) in summary["activations"]
         assert format_bytes(plan.total_bytes) in summary["everything"]
         assert plan._fmt_cost(plan.avoided_cost) in summary["avoided"]
         assert plan.solver in summary["solver"]
         assert ("optimal" in summary["solver"]) and (
-            plan.optimal or f"within {plan._fmt_cost(plan.upper_bound - plan.avoided_cost)}"
-            in summary["solver"])
+            plan.optimal
+            or f"within {plan._fmt_cost(plan.upper_bound - plan.avoided_cost)}" in summary["solver"]
+        )
         # One line each: the term, its value, then what it means, aligned.
         meaning_at = {len(line) - len(line.split("  ")[-1].lstrip()) for line in lines}
         assert len(meaning_at) == 1
@@ -556,14 +592,16 @@ class ShorterTail(torch.nn.Module):
 
 def test_model_budget_table_shows_each_distinct_plan_once():
     model = ShorterTail()
-    plan = torch_sac.policies.budget(model, torch.randn(2, 8, 16, requires_grad=True),
-                                     fraction=0.5, repeats=0)
+    plan = torch_sac.policies.budget(
+        model, torch.randn(2, 8, 16, requires_grad=True), fraction=0.5, repeats=0
+    )
     plans = plan.plans
     assert plans["layers.0"] is plans["layers.1"] is not plans["layers.2"] is plans["layers.3"]
     table = plan.table(max_rows=6)
     assert table.splitlines()[0] == (
         f"4 blocks, 2 distinct plans; saved {format_bytes(plan.saved_bytes)} of a "
-        f"{format_bytes(plan.budget_bytes)} budget, summed over blocks")
+        f"{format_bytes(plan.budget_bytes)} budget, summed over blocks"
+    )
     first, second = table.split("\n\n")[1:]
     assert first.startswith("== plan 1 of 2: layers.0-1 (2 blocks, GPTBlock)\n")
     assert second.startswith("== plan 2 of 2: layers.2-3 (2 blocks, GPTBlock)\n")
@@ -654,7 +692,9 @@ def test_a_view_whose_base_is_mutated_later_is_not_saved():
     assert not view0.saveable and "mutated" in view0.why_not and not view0.saved
     ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, plan)
     x1 = x.detach().clone().requires_grad_(True)
-    torch.utils.checkpoint.checkpoint(fn, x1, use_reentrant=False, context_fn=ctx_fn).sum().backward()
+    torch.utils.checkpoint.checkpoint(
+        fn, x1, use_reentrant=False, context_fn=ctx_fn
+    ).sum().backward()
     x2 = x.detach().clone().requires_grad_(True)
     fn(x2).sum().backward()
     assert torch.equal(x1.grad, x2.grad)
@@ -668,7 +708,7 @@ def test_plan_numbers_no_grad_calls_as_the_region_does():
 
     def fn(x):
         with torch.no_grad():
-            scale = x @ x.t()          # mm call 0, under no_grad
+            scale = x @ x.t()  # mm call 0, under no_grad
         return torch.tanh((x @ w) * scale.mean())  # mm call 1
 
     x = torch.randn(8, 8, requires_grad=True)

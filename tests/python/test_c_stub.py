@@ -98,7 +98,7 @@ def _bound_parameters(obj, name):
         return None
     # The parameter list: from after "name(" to its matching ")".
     depth, end = 0, None
-    for i, ch in enumerate(first[len(name):], start=len(name)):
+    for i, ch in enumerate(first[len(name) :], start=len(name)):
         if ch in "([{":
             depth += 1
         elif ch in ")]}":

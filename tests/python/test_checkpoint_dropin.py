@@ -62,6 +62,7 @@ class _CountCalls:
 # Signature
 # ---------------------------------------------------------------------------
 
+
 def test_signature_has_torchs_keywords_with_torchs_defaults():
     ours = inspect.signature(torch_sac.checkpoint).parameters
     for name, p in inspect.signature(tc.checkpoint).parameters.items():
@@ -73,7 +74,8 @@ def test_signature_has_torchs_keywords_with_torchs_defaults():
             continue
         assert name in ours, f"torch_sac.checkpoint lacks torch's keyword {name!r}"
         assert ours[name].default is p.default or ours[name].default == p.default, (
-            f"{name}: default {ours[name].default!r}, torch's is {p.default!r}")
+            f"{name}: default {ours[name].default!r}, torch's is {p.default!r}"
+        )
     # preserve_rng_state is a **kwargs entry before torch 2.14, a keyword after.
     assert ours["preserve_rng_state"].default is True
     for name in ("policy", "allow_cache_entry_mutation", "replay_budget"):
@@ -90,21 +92,27 @@ def test_checkpoint_sequential_signature_matches_torchs():
 # The literal replacement
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("keywords", [
-    dict(use_reentrant=False),
-    dict(),
-    dict(use_reentrant=None, preserve_rng_state=True),
-    dict(use_reentrant=False, preserve_rng_state=False),
-    dict(use_reentrant=False, determinism_check="none"),
-    dict(use_reentrant=False, determinism_check="default", debug=True),
-    dict(use_reentrant=False, early_stop=False),
-    dict(use_reentrant=False, context_fn=tc.noop_context_fn),
-], ids=lambda k: ",".join(f"{a}={b!r}" for a, b in k.items()) or "none")
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        dict(use_reentrant=False),
+        dict(),
+        dict(use_reentrant=None, preserve_rng_state=True),
+        dict(use_reentrant=False, preserve_rng_state=False),
+        dict(use_reentrant=False, determinism_check="none"),
+        dict(use_reentrant=False, determinism_check="default", debug=True),
+        dict(use_reentrant=False, early_stop=False),
+        dict(use_reentrant=False, context_fn=tc.noop_context_fn),
+    ],
+    ids=lambda k: ",".join(f"{a}={b!r}" for a, b in k.items()) or "none",
+)
 def test_torch_keywords_are_exact(keywords):
     """With no policy: plain checkpointing, exact with dropout (the region
     replays with forward's random state, whatever preserve_rng_state says)."""
-    _assert_exact(lambda x, w: torch_sac.checkpoint(_block, x, w, scale=2.0, **keywords),
-                  str(keywords))
+    _assert_exact(
+        lambda x, w: torch_sac.checkpoint(_block, x, w, scale=2.0, **keywords), str(keywords)
+    )
 
 
 def test_function_keywords_reach_the_function():
@@ -146,24 +154,30 @@ def test_no_policy_drops_what_recompute_all_drops():
 # Refusals and bad values
 # ---------------------------------------------------------------------------
 
+
 def test_use_reentrant_true_is_refused_naming_the_keyword_and_alternative():
     x, w = _inputs()
-    with pytest.raises(ValueError, match=r"use_reentrant=True.*use_reentrant=False.*torch\.utils\.checkpoint"):
+    with pytest.raises(
+        ValueError, match=r"use_reentrant=True.*use_reentrant=False.*torch\.utils\.checkpoint"
+    ):
         torch_sac.checkpoint(_block, x, w, use_reentrant=True)
     with pytest.raises(ValueError, match="use_reentrant=True"):
         torch_sac.checkpoint_sequential([nn.ReLU(), nn.ReLU()], 2, x, use_reentrant=True)
 
 
-@pytest.mark.parametrize("keyword,value,error", [
-    ("use_reentrant", "no", TypeError),
-    ("determinism_check", "strict", ValueError),
-    ("debug", 1, TypeError),
-    ("early_stop", None, TypeError),
-    ("preserve_rng_state", "yes", TypeError),
-    ("respect_saved_tensors_hooks", 0, TypeError),
-    ("allow_cache_entry_mutation", 1, TypeError),
-    ("replay_budget", -1, ValueError),
-])
+@pytest.mark.parametrize(
+    "keyword,value,error",
+    [
+        ("use_reentrant", "no", TypeError),
+        ("determinism_check", "strict", ValueError),
+        ("debug", 1, TypeError),
+        ("early_stop", None, TypeError),
+        ("preserve_rng_state", "yes", TypeError),
+        ("respect_saved_tensors_hooks", 0, TypeError),
+        ("allow_cache_entry_mutation", 1, TypeError),
+        ("replay_budget", -1, ValueError),
+    ],
+)
 def test_bad_values_name_the_keyword(keyword, value, error):
     x, w = _inputs()
     with pytest.raises(error, match=keyword):
@@ -174,20 +188,27 @@ def test_policy_and_context_fn_together_are_refused():
     ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, [aten.mm])
     x, w = _inputs()
     with pytest.raises(ValueError, match="policy or context_fn"):
-        torch_sac.checkpoint(_block, x, w, policy=torch_sac.policies.save_all(),
-                             context_fn=ctx_fn)
+        torch_sac.checkpoint(_block, x, w, policy=torch_sac.policies.save_all(), context_fn=ctx_fn)
 
 
 def test_respect_saved_tensors_hooks_true_refused_with_a_selective_policy():
     x, w = _inputs()
     with pytest.raises(ValueError, match=r"respect_saved_tensors_hooks=True.*inside"):
-        torch_sac.checkpoint(_block, x, w, use_reentrant=False,
-                             respect_saved_tensors_hooks=True,
-                             policy=torch_sac.policies.save_matmuls())
+        torch_sac.checkpoint(
+            _block,
+            x,
+            w,
+            use_reentrant=False,
+            respect_saved_tensors_hooks=True,
+            policy=torch_sac.policies.save_matmuls(),
+        )
     # Plain checkpointing keeps no tensors of its own: accepted, as in torch.
-    _assert_exact(lambda x, w: torch_sac.checkpoint(
-        _block, x, w, scale=2.0, use_reentrant=False, respect_saved_tensors_hooks=True),
-        "respect_saved_tensors_hooks=True, no policy")
+    _assert_exact(
+        lambda x, w: torch_sac.checkpoint(
+            _block, x, w, scale=2.0, use_reentrant=False, respect_saved_tensors_hooks=True
+        ),
+        "respect_saved_tensors_hooks=True, no policy",
+    )
 
 
 def test_not_callable_is_a_type_error():
@@ -199,19 +220,25 @@ def test_not_callable_is_a_type_error():
 # context_fn
 # ---------------------------------------------------------------------------
 
+
 def _ctx_fns():
     save_mm = [aten.mm.default]
     return {
         "torch_sac partial": functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, save_mm),
+            torch_sac.create_selective_checkpoint_contexts, save_mm
+        ),
         "torch partial": functools.partial(tc.create_selective_checkpoint_contexts, save_mm),
         "torch partial, keywords": functools.partial(
-            tc.create_selective_checkpoint_contexts, policy_fn_or_list=save_mm,
-            allow_cache_entry_mutation=True),
+            tc.create_selective_checkpoint_contexts,
+            policy_fn_or_list=save_mm,
+            allow_cache_entry_mutation=True,
+        ),
         "torch_sac lambda": lambda: torch_sac.create_selective_checkpoint_contexts(save_mm),
         "torch lambda, policy_fn": lambda: tc.create_selective_checkpoint_contexts(
-            lambda ctx, op, *a, **k: tc.CheckpointPolicy.MUST_SAVE if op is aten.mm.default
-            else tc.CheckpointPolicy.PREFER_RECOMPUTE),
+            lambda ctx, op, *a, **k: tc.CheckpointPolicy.MUST_SAVE
+            if op is aten.mm.default
+            else tc.CheckpointPolicy.PREFER_RECOMPUTE
+        ),
     }
 
 
@@ -226,8 +253,12 @@ def test_selective_context_fn_runs_its_policy_in_a_region(name):
     (region,) = _regions(prof)
     assert region["engine"] == "sac_context"
     assert region["stats"]["saved_ops"] == 1, f"{name}: the mm alone is saved, got {region}"
-    _assert_exact(lambda x, w: torch_sac.checkpoint(
-        _block, x, w, scale=2.0, use_reentrant=False, context_fn=ctx_fn), name)
+    _assert_exact(
+        lambda x, w: torch_sac.checkpoint(
+            _block, x, w, scale=2.0, use_reentrant=False, context_fn=ctx_fn
+        ),
+        name,
+    )
 
 
 class _CountingContext(contextlib.AbstractContextManager):
@@ -256,23 +287,36 @@ def test_other_context_fn_is_run_by_torchs_checkpoint():
     assert len(made) == 1, "context_fn is called once per checkpoint, as by torch"
     assert (fwd.entered, rec.entered) == (1, 1)
     assert counted.calls == 2, "torch's checkpoint re-runs the function under the recompute context"
-    _assert_exact(lambda x, w: torch_sac.checkpoint(
-        _block, x, w, scale=2.0, use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext())),
-        "foreign context_fn")
+    _assert_exact(
+        lambda x, w: torch_sac.checkpoint(
+            _block,
+            x,
+            w,
+            scale=2.0,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
+        ),
+        "foreign context_fn",
+    )
 
 
 def test_other_context_fn_with_replay_budget_is_refused():
     x, w = _inputs()
     with pytest.raises(ValueError, match="replay_budget"):
         torch_sac.checkpoint(
-            _block, x, w, use_reentrant=False, replay_budget=0,
-            context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
+            _block,
+            x,
+            w,
+            use_reentrant=False,
+            replay_budget=0,
+            context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
+        )
 
 
 def test_subclassed_torch_modes_are_not_taken_apart():
     """A subclass of PyTorch's SAC modes (xformers has one) may change what
     they do: torch runs it."""
+
     class Caching(tc._CachingTorchDispatchMode):
         pass
 
@@ -289,6 +333,7 @@ def test_subclassed_torch_modes_are_not_taken_apart():
 # ---------------------------------------------------------------------------
 # Decorator form (torch 2.14+'s, on every release here)
 # ---------------------------------------------------------------------------
+
 
 def test_decorator_form():
     @torch_sac.checkpoint(use_reentrant=False)
@@ -328,6 +373,7 @@ def test_decorator_form_refuses_function_keywords():
 # checkpoint_sequential
 # ---------------------------------------------------------------------------
 
+
 def _sequential(n=6, seed=0):
     torch.manual_seed(seed)
     layers = []
@@ -346,14 +392,23 @@ def _sequential_grads(run, seed=0):
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 18])
-@pytest.mark.parametrize("keywords", [dict(), dict(policy=torch_sac.policies.save_matmuls()),
-                                      dict(preserve_rng_state=False),
-                                      dict(replay_budget=0)],
-                         ids=["plain", "save_matmuls", "no_rng", "replay_budget"])
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        dict(),
+        dict(policy=torch_sac.policies.save_matmuls()),
+        dict(preserve_rng_state=False),
+        dict(replay_budget=0),
+    ],
+    ids=["plain", "save_matmuls", "no_rng", "replay_budget"],
+)
 def test_checkpoint_sequential_is_exact(segments, keywords):
     ref = _sequential_grads(lambda m, x: m(x))
-    got = _sequential_grads(lambda m, x: torch_sac.checkpoint_sequential(
-        m, segments, x, use_reentrant=False, **keywords))
+    got = _sequential_grads(
+        lambda m, x: torch_sac.checkpoint_sequential(
+            m, segments, x, use_reentrant=False, **keywords
+        )
+    )
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
@@ -366,18 +421,21 @@ def test_checkpoint_sequential_checkpoints_all_segments_but_the_last():
     assert len(_regions(prof)) == 3
 
 
-@pytest.mark.parametrize("segments,error", [(0, ValueError), (13, ValueError), (2.0, TypeError),
-                                            (True, TypeError)])
+@pytest.mark.parametrize(
+    "segments,error", [(0, ValueError), (13, ValueError), (2.0, TypeError), (True, TypeError)]
+)
 def test_checkpoint_sequential_bad_segments(segments, error):
     with pytest.raises(error, match="segments"):
-        torch_sac.checkpoint_sequential(_sequential(n=4), segments, torch.randn(2, 8),
-                                        use_reentrant=False)
+        torch_sac.checkpoint_sequential(
+            _sequential(n=4), segments, torch.randn(2, 8), use_reentrant=False
+        )
 
 
 def test_checkpoint_sequential_unexpected_keyword():
     with pytest.raises(ValueError, match="unexpected keyword arguments: scale"):
-        torch_sac.checkpoint_sequential(_sequential(n=2), 2, torch.randn(2, 8),
-                                        use_reentrant=False, scale=2.0)
+        torch_sac.checkpoint_sequential(
+            _sequential(n=2), 2, torch.randn(2, 8), use_reentrant=False, scale=2.0
+        )
 
 
 def test_respect_saved_tensors_hooks_flag_matches_the_installed_torch():
@@ -385,14 +443,18 @@ def test_respect_saved_tensors_hooks_flag_matches_the_installed_torch():
     assert _compat.CHECKPOINT_TAKES_RESPECT_SAVED_TENSORS_HOOKS is has
 
 
-@pytest.mark.parametrize("keywords,error,match", [
-    (dict(use_reentrant=True), ValueError, "use_reentrant"),
-    (dict(determinism_check="x"), ValueError, "determinism_check"),
-    (dict(policy="save everything"), TypeError, "policy|checkpoint_sequential"),
-    (dict(replay_budget=-1), ValueError, "replay_budget"),
-])
+@pytest.mark.parametrize(
+    "keywords,error,match",
+    [
+        (dict(use_reentrant=True), ValueError, "use_reentrant"),
+        (dict(determinism_check="x"), ValueError, "determinism_check"),
+        (dict(policy="save everything"), TypeError, "policy|checkpoint_sequential"),
+        (dict(replay_budget=-1), ValueError, "replay_budget"),
+    ],
+)
 def test_checkpoint_sequential_checks_keywords_with_one_segment(keywords, error, match):
     """One segment checkpoints nothing; bad keywords still raise."""
     with pytest.raises(error, match=match):
-        torch_sac.checkpoint_sequential([nn.ReLU()], 1, torch.randn(2, requires_grad=True),
-                                        **keywords)
+        torch_sac.checkpoint_sequential(
+            [nn.ReLU()], 1, torch.randn(2, requires_grad=True), **keywords
+        )

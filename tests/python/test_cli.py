@@ -14,8 +14,22 @@ from conftest import REPO_ROOT
 from torch_sac import cli
 from torch_sac._op_profile import format_bytes
 
-TINY = ["--blocks", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "32",
-        "--steps", "1"]
+TINY = [
+    "--blocks",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--seq",
+    "8",
+    "--batch",
+    "2",
+    "--vocab",
+    "32",
+    "--steps",
+    "1",
+]
 
 
 def run_main(argv, capsys):
@@ -52,11 +66,15 @@ def test_all_policies_end_to_end(tmp_path, capsys):
     # policy's; "dropped (not held)" is what the regions did not hold, which
     # is not read as saved (only policies with regions have it).
     lines = out.splitlines()
-    table = _table(lines, next(i for i, line in enumerate(lines) if line.startswith("policy ")), len(results))
+    table = _table(
+        lines, next(i for i, line in enumerate(lines) if line.startswith("policy ")), len(results)
+    )
     assert list(table) == list(results)
     assert "not a saving" in out
     for name, r in results.items():
-        assert r["saved_vs_none_bytes"] == results["none"]["activation_bytes"] - r["activation_bytes"], name
+        assert (
+            r["saved_vs_none_bytes"] == results["none"]["activation_bytes"] - r["activation_bytes"]
+        ), name
         cells = table[name]
         assert cells["activations"] == format_bytes(r["activation_bytes"]), (name, cells)
         assert cells["saved vs none"] == format_bytes(r["saved_vs_none_bytes"]), (name, cells)
@@ -68,9 +86,17 @@ def test_all_policies_end_to_end(tmp_path, capsys):
     assert results["none"]["saved_vs_none_bytes"] == 0
     # Dropped is not saved: recompute_all's regions drop more than
     # checkpointing saves (they also drop outputs autograd never kept).
-    assert results["recompute_all"]["dropped_bytes"] > results["recompute_all"]["saved_vs_none_bytes"] > 0
+    assert (
+        results["recompute_all"]["dropped_bytes"]
+        > results["recompute_all"]["saved_vs_none_bytes"]
+        > 0
+    )
     none, full = results["none"], results["recompute_all"]
-    assert full["activation_bytes"] < results["save_matmuls"]["activation_bytes"] < none["activation_bytes"]
+    assert (
+        full["activation_bytes"]
+        < results["save_matmuls"]["activation_bytes"]
+        < none["activation_bytes"]
+    )
     assert results["torch_checkpoint"]["recompute_flops"] > 0
     assert full["replayed_ops"] > 0 and none["replayed_ops"] == 0
     for f in ("0.25", "0.5", "0.75"):
@@ -84,14 +110,15 @@ def _table(lines, top, n_rows):
     cell}}; the dashed line under the titles gives each column's span."""
     spans = [m.span() for m in re.finditer(r"-+", lines[top + 1])]
     titles = [lines[top][a:b].strip() for a, b in spans]
-    rows = [[line[a:b].strip() for a, b in spans] for line in lines[top + 2:top + 2 + n_rows]]
+    rows = [[line[a:b].strip() for a, b in spans] for line in lines[top + 2 : top + 2 + n_rows]]
     return {row[0]: dict(zip(titles, row)) for row in rows}
 
 
 def test_policy_subset_adds_references_and_skips_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out = run_main(TINY + ["--policies", "save_matmuls,budget-0.3", "--no-plot", "--details", "none"],
-                         capsys)
+    code, out = run_main(
+        TINY + ["--policies", "save_matmuls,budget-0.3", "--no-plot", "--details", "none"], capsys
+    )
     assert code == 0, out
     assert "added 'none'" in out and "added 'recompute_all'" in out
     assert "budget-0.3" in out and "per op," not in out
@@ -106,18 +133,25 @@ def test_peak_plan_policy_runs_the_whole_step_within_its_peak(tmp_path, capsys):
     results = {r["policy"]: r for r in json.loads(js.read_text())["results"]}
     plan = results["peak-0.7"]["peak_plan"]
     assert plan["within_bound"] and plan["planning_runs"] > 2
-    assert results["peak-0.7"]["peak_bytes"] <= plan["peak_budget_bytes"] < results["none"]["peak_bytes"]
+    assert (
+        results["peak-0.7"]["peak_bytes"]
+        <= plan["peak_budget_bytes"]
+        < results["none"]["peak_bytes"]
+    )
     assert results["peak-0.7"]["replayed_ops"] > 0 and results["peak-0.7"]["grad_bitwise_equal"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--policies", "nope"], "unknown policy 'nope'"),
-    (["--policies", "budget-x"], "bad budget policy"),
-    (["--policies", "peak-x"], "bad peak policy"),
-    (["--policies", "peak-0"], "must be > 0"),
-    (["--dim", "30", "--heads", "4"], "divisible"),
-    (["--steps", "0"], "--steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policies", "nope"], "unknown policy 'nope'"),
+        (["--policies", "budget-x"], "bad budget policy"),
+        (["--policies", "peak-x"], "bad peak policy"),
+        (["--policies", "peak-0"], "must be > 0"),
+        (["--dim", "30", "--heads", "4"], "divisible"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -128,8 +162,14 @@ def test_bad_arguments(argv, message, capsys):
 def test_python_dash_m(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch_sac"] + TINY + ["--policies", "none,recompute_all", "--no-plot"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "torch_sac"]
+        + TINY
+        + ["--policies", "none,recompute_all", "--no-plot"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "recompute_all" in proc.stdout and "bitwise" in proc.stdout

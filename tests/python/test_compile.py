@@ -53,6 +53,7 @@ GRAD_SEED = 7
 # Blocks
 # --------------------------------------------------------------------------
 
+
 class MLPBlock(nn.Module):
     """Linear-GELU-Linear."""
 
@@ -105,6 +106,7 @@ def make(name):
 # Helpers
 # --------------------------------------------------------------------------
 
+
 def run(block, x, fn):
     """Forward ``fn(x)`` with a fresh leaf input, backward of a fixed
     weighted sum. Returns {name: tensor}: output, input grad, param grads."""
@@ -130,7 +132,9 @@ def assert_exact(got, ref, label):
 def assert_close(got, ref, label):
     assert got.keys() == ref.keys()
     for k in ref:
-        torch.testing.assert_close(got[k], ref[k], **INDUCTOR_TOL, msg=lambda m: f"{label}: {k}: {m}")
+        torch.testing.assert_close(
+            got[k], ref[k], **INDUCTOR_TOL, msg=lambda m: f"{label}: {k}: {m}"
+        )
 
 
 def assert_nothing_installed():
@@ -140,8 +144,11 @@ def assert_nothing_installed():
 
 
 def ours(caught):
-    return [w for w in caught
-            if issubclass(w.category, UserWarning) and str(w.message).startswith(COMPILED_IN_REGION)]
+    return [
+        w
+        for w in caught
+        if issubclass(w.category, UserWarning) and str(w.message).startswith(COMPILED_IN_REGION)
+    ]
 
 
 def in_region(fn, policy, regions=None):
@@ -226,6 +233,7 @@ def fresh_warning(monkeypatch):
 # 1. A compiled block inside an eager region
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
 @pytest.mark.parametrize("block_name", sorted(BLOCKS))
 def test_aot_eager_block_in_region_is_checkpointed(block_name, policy_name, fresh_warning):
@@ -244,8 +252,10 @@ def test_aot_eager_block_in_region_is_checkpointed(block_name, policy_name, fres
 
     plain = forward_bytes(x, compiled)
     checkpointed = forward_bytes(x, in_region(compiled, POLICIES[policy_name]()))
-    print(f"\n{block_name}/{policy_name}: after forward {checkpointed} bytes in a region, "
-          f"{plain} without")
+    print(
+        f"\n{block_name}/{policy_name}: after forward {checkpointed} bytes in a region, "
+        f"{plain} without"
+    )
     assert 0 < checkpointed < plain, (checkpointed, plain)
     assert_nothing_installed()
 
@@ -313,8 +323,10 @@ def test_inductor_first_compile_inside_region(fresh_warning):
     compiled = torch.compile(block, backend="inductor")
     regions = []
     policy = policies.recompute_all()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         first = run(block, x, in_region(compiled, policy, regions))
     second = run(block, x, in_region(compiled, policy, regions))
     assert_close(first, ref, "inductor compiled inside a region vs eager")
@@ -328,18 +340,21 @@ def test_inductor_first_compile_inside_region(fresh_warning):
 
 
 @pytest.mark.xfail(
-    torch_sac.adapter() == "key", strict=True, raises=AssertionError,
+    torch_sac.adapter() == "key",
+    strict=True,
+    raises=AssertionError,
     reason="key adapter: the region's TLS dispatch key (DispatchKey::Fake) is part of the "
-           "dispatch key set Dynamo guards on, so a function compiled outside a region is "
-           "recompiled at its first call inside one (an Inductor compile costs seconds)")
+    "dispatch key set Dynamo guards on, so a function compiled outside a region is "
+    "recompiled at its first call inside one (an Inductor compile costs seconds)",
+)
 def test_calling_compiled_block_in_region_does_not_recompile():
     """Minimal repro (key adapter)::
 
-        f = torch.compile(lambda x: x.sin(), backend="aot_eager")
-        x = torch.randn(3, requires_grad=True)
-        f(x)
-        with torch_sac.sac_context(torch_sac.policies.recompute_all()):
-            f(x)   # TORCH_LOGS=recompiles: "tensor 'x' dispatch key set mismatch ... Fake"
+    f = torch.compile(lambda x: x.sin(), backend="aot_eager")
+    x = torch.randn(3, requires_grad=True)
+    f(x)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+        f(x)   # TORCH_LOGS=recompiles: "tensor 'x' dispatch key set mismatch ... Fake"
     """
     block, x = make("mlp")
     compiled = torch.compile(block, backend="aot_eager")
@@ -354,6 +369,7 @@ def test_calling_compiled_block_in_region_does_not_recompile():
 # --------------------------------------------------------------------------
 # 2 and 4. torch_sac.checkpoint and the drop-in inside a compiled function
 # --------------------------------------------------------------------------
+
 
 def checkpointed(engine, block, policy):
     """The block checkpointed with ``policy`` by ``engine``, as a function
@@ -370,11 +386,16 @@ def checkpointed(engine, block, policy):
 @pytest.mark.parametrize("policy_name", sorted(POLICIES))
 @pytest.mark.parametrize("block_name", sorted(BLOCKS))
 @pytest.mark.parametrize("engine", ["checkpoint", "drop_in"])
-def test_checkpoint_inside_compiled_function_is_exact(engine, block_name, policy_name, fullgraph, fresh_warning):
+def test_checkpoint_inside_compiled_function_is_exact(
+    engine, block_name, policy_name, fullgraph, fresh_warning
+):
     block, x = make(block_name)
     ref = run(block, x, block)
-    fn = torch.compile(checkpointed(engine, block, POLICIES[policy_name]()),
-                       backend="aot_eager", fullgraph=fullgraph)
+    fn = torch.compile(
+        checkpointed(engine, block, POLICIES[policy_name]()),
+        backend="aot_eager",
+        fullgraph=fullgraph,
+    )
     assert_exact(run(block, x, fn), ref, f"{engine} {block_name}/{policy_name} compiled")
     assert ours(fresh_warning) == []
     assert_nothing_installed()
@@ -407,11 +428,17 @@ def test_checkpoint_inside_compiled_function_saves_memory(engine, block_name):
     RNG state PyTorch's checkpoint stashes, SDPA counting as a random op.)"""
     block, x = make(block_name)
     saved, kept = {}, {}
-    for name, make_policy in [("none", None), ("save_matmuls", policies.save_matmuls),
-                              ("recompute_all", policies.recompute_all)]:
+    for name, make_policy in [
+        ("none", None),
+        ("save_matmuls", policies.save_matmuls),
+        ("recompute_all", policies.recompute_all),
+    ]:
         torch._dynamo.reset()
-        fn = torch.compile(checkpointed(engine, block, make_policy and make_policy()),
-                           backend="aot_eager", fullgraph=True)
+        fn = torch.compile(
+            checkpointed(engine, block, make_policy and make_policy()),
+            backend="aot_eager",
+            fullgraph=True,
+        )
         saved[name] = saved_activation_bytes(block, x, fn)
         kept[name] = forward_bytes(x, fn)
     print(f"\n{engine}/{block_name}: saved for backward {saved}, after forward {kept}")
@@ -428,14 +455,18 @@ def test_checkpoint_inside_compiled_function_saves_memory(engine, block_name):
 def test_checkpoint_inside_inductor_function_is_close():
     block, x = make("mlp")
     ref = run(block, x, block)
-    fn = torch.compile(checkpointed("checkpoint", block, policies.save_matmuls()),
-                       backend="inductor", fullgraph=True)
+    fn = torch.compile(
+        checkpointed("checkpoint", block, policies.save_matmuls()),
+        backend="inductor",
+        fullgraph=True,
+    )
     assert_close(run(block, x, fn), ref, "torch_sac.checkpoint under inductor")
 
 
 # --------------------------------------------------------------------------
 # 3. sac_context inside a compiled function
 # --------------------------------------------------------------------------
+
 
 def region_inside(block, policy):
     def fn(x):
@@ -447,7 +478,9 @@ def region_inside(block, policy):
 
 def test_region_inside_fullgraph_raises():
     block, x = make("mlp")
-    fn = torch.compile(region_inside(block, policies.recompute_all()), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(
+        region_inside(block, policies.recompute_all()), backend="aot_eager", fullgraph=True
+    )
     with pytest.raises(RuntimeError, match=REGION_IN_COMPILE):
         fn(x.requires_grad_())
     assert_nothing_installed()

@@ -43,6 +43,7 @@ STAT_KEYS = ("policy_calls", "saved_ops", "recomputed_ops", "cache_hits", "saved
 # A tiny function and helpers
 # --------------------------------------------------------------------------
 
+
 def small_fn(x, w):
     """Ops seen below autograd: mm, sin, mm, relu (4 policy calls)."""
     a = torch.mm(x, w)
@@ -83,7 +84,9 @@ def sac_ctx(policy, allow=False, recorder=None):
 
 
 def torch_ctx(policy, allow=False):
-    return functools.partial(tc.create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation=allow)
+    return functools.partial(
+        tc.create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation=allow
+    )
 
 
 class Counting:
@@ -117,6 +120,7 @@ def name_mentions_op(msg, packet_name):
 # API surface
 # --------------------------------------------------------------------------
 
+
 def test_policy_enum_members():
     members = [P.MUST_SAVE, P.PREFER_SAVE, P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE]
     assert len(set(members)) == 4
@@ -148,10 +152,16 @@ def test_contexts_have_stats():
 # --------------------------------------------------------------------------
 
 RETURN_VALUES = [
-    P.MUST_SAVE, P.PREFER_SAVE, P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE,
-    CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE,
-    CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE,
-    True, False,
+    P.MUST_SAVE,
+    P.PREFER_SAVE,
+    P.MUST_RECOMPUTE,
+    P.PREFER_RECOMPUTE,
+    CheckpointPolicy.MUST_SAVE,
+    CheckpointPolicy.PREFER_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE,
+    True,
+    False,
 ]
 RETURN_IDS = [f"{type(v).__name__}.{getattr(v, 'name', v)}" for v in RETURN_VALUES]
 
@@ -198,6 +208,7 @@ def test_bad_policy_return_raises_value_error(bad):
 def test_bad_policy_message_survives_binary_operators(engine, expr):
     """`x @ w` and `x * 2` turn a TypeError raised inside them into
     "unsupported operand type(s)"; the policy's message must reach the user."""
+
     def policy(ctx, op, *args, **kwargs):
         return "garbage"
 
@@ -250,7 +261,7 @@ def test_exception_inside_region_leaves_no_interceptor():
     counting = Counting()
 
     def fn(x, w):
-        y = torch.mm(x, w).sin()
+        torch.mm(x, w).sin()
         raise RegionBoom("boom from region")
 
     with pytest.raises(RegionBoom):
@@ -265,6 +276,7 @@ def test_exception_inside_region_leaves_no_interceptor():
 # --------------------------------------------------------------------------
 # Python scalars in Tensor positions (wrapped numbers)
 # --------------------------------------------------------------------------
+
 
 def scalar_fn(x, w):
     """`a * 0.5` and `b.add_(1)` pass Python numbers where the schema says
@@ -297,6 +309,7 @@ def test_wrapped_number_arguments(save):
 # --------------------------------------------------------------------------
 # What the policy sees
 # --------------------------------------------------------------------------
+
 
 def test_policy_called_once_per_op_in_forward_only():
     rec = RecordingPolicy(lambda ctx, op, *a, **k: P.PREFER_RECOMPUTE)
@@ -337,13 +350,18 @@ def test_ignored_ops_never_reach_policy():
     def run(create, policy):
         rec = RecordingPolicy(policy)
         x, w = small_inputs()
-        out = tc.checkpoint(fn, x, w, use_reentrant=False,
-                            context_fn=functools.partial(create, rec))
+        out = tc.checkpoint(
+            fn, x, w, use_reentrant=False, context_fn=functools.partial(create, rec)
+        )
         out.sum().backward()
         return rec, x.grad
 
-    ours, g_ours = run(torch_sac.create_selective_checkpoint_contexts, list_policy_fn([aten.sin.default]))
-    theirs, g_theirs = run(tc.create_selective_checkpoint_contexts, list_policy_fn([aten.sin.default]))
+    ours, g_ours = run(
+        torch_sac.create_selective_checkpoint_contexts, list_policy_fn([aten.sin.default])
+    )
+    theirs, g_theirs = run(
+        tc.create_selective_checkpoint_contexts, list_policy_fn([aten.sin.default])
+    )
     assert not [op for op in ours.ops if op in torch_sac.IGNORED_OPS or op in tc.SAC_IGNORED_OPS]
     assert aten.detach.default not in ours.ops
     assert aten.sin.default in ours.ops and aten.mm.default in ours.ops
@@ -354,6 +372,7 @@ def test_ignored_ops_never_reach_policy():
 # --------------------------------------------------------------------------
 # Lists of ops, packets, argument validation
 # --------------------------------------------------------------------------
+
 
 def add_fn(x, w):
     a = aten.add.Tensor(x, w)
@@ -418,6 +437,7 @@ def test_list_with_non_op_raises(ops):
 # Cache mutation
 # --------------------------------------------------------------------------
 
+
 def mutating_fn(x, w):
     a = torch.mm(x, w)
     a.add_(1.0)  # mutates the (cached) mm output
@@ -439,7 +459,9 @@ def test_cache_entry_mutated_in_forward_is_recomputed():
 
     assert_fn_grads_equal(run_fn(mutating_fn, ctx_fn), run_fn(mutating_fn), "mutated in forward")
     stats = contexts[0].stats()
-    assert stats["invalidated_ops"] == 1 and stats["saved_ops"] == 0 and stats["cache_hits"] == 0, stats
+    assert stats["invalidated_ops"] == 1 and stats["saved_ops"] == 0 and stats["cache_hits"] == 0, (
+        stats
+    )
     assert_interception_still_sane()
 
 
@@ -452,6 +474,7 @@ def returns_cached_fn(x, w):
 def test_mutated_cache_entry_after_forward_raises_like_torch(alias):
     """A cached output written in place after forward, through the tensor
     itself or any alias forward saw, raises at recompute naming the op."""
+
     def run(ctx_fn):
         x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
         w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
@@ -497,6 +520,7 @@ def test_save_all_on_models_with_in_place_ops():
 # Identity of cached outputs
 # --------------------------------------------------------------------------
 
+
 def identity_run(ctx):
     """Runs a region twice-executed by checkpoint (forward, recompute) and
     returns the argmax (int64, not a view) and sin (float) outputs each time."""
@@ -534,6 +558,7 @@ def test_non_differentiable_cached_output_is_same_object():
 # Backward twice
 # --------------------------------------------------------------------------
 
+
 def mm_sin(x, w):
     return torch.mm(x, w).sin()
 
@@ -554,6 +579,7 @@ def test_second_backward_needing_cache_raises(impl):
 def test_second_backward_recompute_only():
     """Nothing cached: PyTorch replays again. torch_sac must replay too (grads
     accumulate to exactly twice) or raise a clear error, never a wrong grad."""
+
     def twice(ctx):
         x, w = small_inputs()
         loss = tc.checkpoint(mm_sin, x, w, use_reentrant=False, context_fn=ctx).sum()
@@ -616,6 +642,7 @@ def test_checkpoint_under_no_grad():
 # checkpoint_wrapper
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model", ["mlp", "convbn", "gpt"])
 def test_checkpoint_wrapper(model):
     recorder = ContextRecorder()
@@ -641,6 +668,7 @@ def test_checkpoint_wrapper(model):
 # --------------------------------------------------------------------------
 # Adapter selection
 # --------------------------------------------------------------------------
+
 
 def test_adapter_reports_active_adapter():
     active = torch_sac.adapter()
@@ -684,13 +712,17 @@ def _run_adapter_subprocess(value):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-c", _ADAPTER_SCRIPT],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def _check_adapter_output(proc, expected_adapter):
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(l.split(" ", 1) for l in proc.stdout.splitlines() if " " in l)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     assert lines["ADAPTER"] == expected_adapter
     assert lines["CALLS"] == "aten.mm.default,aten.sin.default"
     assert lines["GRAD_OK"] == "True"
@@ -712,13 +744,17 @@ def test_adapter_env_key():
         # Demanding an unavailable key adapter must fail loudly, with the
         # reason, rather than silently fall back.
         assert proc.returncode != 0, proc.stdout
-        assert "TORCH_SAC_ADAPTER" in proc.stderr and unavailable in proc.stderr, proc.stderr[-3000:]
+        assert "TORCH_SAC_ADAPTER" in proc.stderr and unavailable in proc.stderr, proc.stderr[
+            -3000:
+        ]
 
 
 def test_adapter_default():
     proc = _run_adapter_subprocess(None)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    default = [l.split(" ", 1)[1] for l in proc.stdout.splitlines() if l.startswith("ADAPTER ")][0]
+    default = [
+        line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("ADAPTER ")
+    ][0]
     assert default in ("key", "python")
     if not os.environ.get("TORCH_SAC_ADAPTER"):
         assert default == torch_sac.adapter()
@@ -729,28 +765,42 @@ def test_adapter_default():
 # Built-in policies vs equivalent Python callables
 # --------------------------------------------------------------------------
 
+
 def _packet_list_fn(packets):
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op.overloadpacket in packets else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op.overloadpacket in packets
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
+
     return policy
 
 
 BUILTIN_CASES = {
     "save_ops_overloads": (
         lambda: torch_sac.policies.save_ops([aten.mm.default, aten.addmm.default]),
-        lambda: list_policy_fn([aten.mm.default, aten.addmm.default]), False),
+        lambda: list_policy_fn([aten.mm.default, aten.addmm.default]),
+        False,
+    ),
     "save_ops_packets": (
         lambda: torch_sac.policies.save_ops([aten.mm, aten.addmm]),
-        lambda: _packet_list_fn([aten.mm, aten.addmm]), False),
+        lambda: _packet_list_fn([aten.mm, aten.addmm]),
+        False,
+    ),
     "save_all": (torch_sac.policies.save_all, lambda: save_all_fn, True),
     "recompute_all": (torch_sac.policies.recompute_all, lambda: recompute_all_fn, False),
     "save_matmuls": (torch_sac.policies.save_matmuls, lambda: save_matmuls_fn, False),
     "every_2nd_mm": (
         lambda: torch_sac.policies.every_nth([aten.mm.default, aten.addmm.default], 2),
-        lambda: make_every_nth_fn([aten.mm.default, aten.addmm.default], 2), False),
+        lambda: make_every_nth_fn([aten.mm.default, aten.addmm.default], 2),
+        False,
+    ),
     "every_3rd_addmm_bmm": (
         lambda: torch_sac.policies.every_nth([aten.addmm.default, aten.bmm.default], 3),
-        lambda: make_every_nth_fn([aten.addmm.default, aten.bmm.default], 3), False),
+        lambda: make_every_nth_fn([aten.addmm.default, aten.bmm.default], 3),
+        False,
+    ),
 }
 
 
@@ -775,8 +825,11 @@ def test_builtin_policy_matches_python_callable(case, model):
     per_region_builtin = [f.stats()["saved_ops"] for f, _ in rec_builtin.pairs]
     per_region_fn = [f.stats()["saved_ops"] for f, _ in rec_fn.pairs]
     invalidated = [f.stats()["invalidated_ops"] for f, _ in rec_fn.pairs]
-    assert per_region_builtin == per_region_fn == [
-        p.n_saved_cacheable - n for p, n in zip(policies, invalidated)]
+    assert (
+        per_region_builtin
+        == per_region_fn
+        == [p.n_saved_cacheable - n for p, n in zip(policies, invalidated)]
+    )
     sb, sf = rec_builtin.stats(), rec_fn.stats()
     for k in ("policy_calls", "saved_ops", "cache_hits", "recomputed_ops", "saved_bytes"):
         assert sb[k] == sf[k], (k, sb[k], sf[k])
@@ -785,7 +838,11 @@ def test_builtin_policy_matches_python_callable(case, model):
 
 
 def test_save_matmuls_saves_attention_and_convolution():
-    for model, op in (("gpt_sdpa", "scaled_dot_product"), ("convbn", "convolution"), ("gpt", "bmm")):
+    for model, op in (
+        ("gpt_sdpa", "scaled_dot_product"),
+        ("convbn", "convolution"),
+        ("gpt", "bmm"),
+    ):
         policies = []
 
         def factory():
@@ -804,6 +861,7 @@ def test_save_matmuls_saves_attention_and_convolution():
 # --------------------------------------------------------------------------
 # stats() consistency
 # --------------------------------------------------------------------------
+
 
 def _nbytes(out):
     if isinstance(out, torch.Tensor):
@@ -824,6 +882,7 @@ def test_stats_consistent_with_decisions():
             if is_save(d):
                 saved_bytes[-1] += _nbytes(ctx.op_output)
             return d
+
         p = RecordingPolicy(policy)
         policies.append(p)
         saved_bytes.append(0)
@@ -847,7 +906,9 @@ def test_stats_consistent_with_decisions():
         assert fs["policy_calls"] == len(p.calls) > 0
         assert fs["saved_ops"] == p.n_saved > 0
         assert fs["saved_bytes"] == nbytes > 0
-        assert rs["cache_hits"] == 0 and rs["recomputed_ops"] == 0, "recompute counters before backward"
+        assert rs["cache_hits"] == 0 and rs["recomputed_ops"] == 0, (
+            "recompute counters before backward"
+        )
 
     h.sum().backward()
     for (fwd, rec), p in zip(pairs, policies):
@@ -881,9 +942,10 @@ def test_op_details_count_new_tensors_as_a_region_does():
     """op_details() counts calls that made new tensors with their storage
     bytes (views, `_unsafe_view` and in-place ops make none); op_summary()
     counts every call. Replays are the calls recompute re-ran, per call."""
+
     def fn(x, w):
-        h = (x @ w).sin()              # view, mm, _unsafe_view, then a new tensor
-        h.mul_(2)                      # in place
+        h = (x @ w).sin()  # view, mm, _unsafe_view, then a new tensor
+        h.mul_(2)  # in place
         return (h.view(12, 4) @ w).sum()
 
     g = torch.Generator().manual_seed(0)
@@ -895,13 +957,22 @@ def test_op_details_count_new_tensors_as_a_region_does():
     assert details == {d["op"]: d for d in rec.op_details()}
     summary = {op: (saved, dropped) for op, saved, dropped, _ in fwd.op_summary()}
     mm = details["aten::mm.default"]
-    assert (mm["saved"], mm["dropped"], mm["saved_bytes"], mm["dropped_bytes"]) == (2, 0, 2 * 12 * 4 * 4, 0)
+    assert (mm["saved"], mm["dropped"], mm["saved_bytes"], mm["dropped_bytes"]) == (
+        2,
+        0,
+        2 * 12 * 4 * 4,
+        0,
+    )
     assert mm["replayed"] == 0 and mm["replays_by_call"] == [0, 0]
     sin = details["aten::sin.default"]
     assert (sin["saved"], sin["dropped"], sin["dropped_bytes"]) == (0, 1, 12 * 4 * 4)
     assert sin["replayed"] == 1 and sin["replays_by_call"] == [1]
     for op in ("aten::_unsafe_view.default", "aten::view.default", "aten::mul_.Tensor"):
-        assert (details[op]["saved"], details[op]["dropped"], details[op]["dropped_bytes"]) == (0, 0, 0), op
+        assert (details[op]["saved"], details[op]["dropped"], details[op]["dropped_bytes"]) == (
+            0,
+            0,
+            0,
+        ), op
         assert summary[op][1] > 0, op
     stats = fwd.stats()
     assert stats["recomputed_ops"] == sum(d["replayed"] for d in details.values()) > 0
@@ -912,11 +983,13 @@ def test_policy_sees_python_numbers_as_pytorch_sac_passes_them():
     """`x * 2.5` and `x + 3`: the policy gets the Python number, as
     PyTorch's SAC passes it from __torch_dispatch__, under both adapters and
     in a sac_context region."""
+
     def record(seen):
         def policy(ctx, op, *args, **kwargs):
             if op in (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor):
                 seen.append((op, tuple(type(a).__name__ for a in args), args[1]))
             return CheckpointPolicy.PREFER_RECOMPUTE
+
         return policy
 
     def fn(x):
@@ -924,13 +997,23 @@ def test_policy_sees_python_numbers_as_pytorch_sac_passes_them():
 
     x = torch.randn(4, requires_grad=True)
     theirs, ours, region = [], [], []
-    tc.checkpoint(fn, x, use_reentrant=False,
-                  context_fn=functools.partial(tc.create_selective_checkpoint_contexts, record(theirs)))
-    tc.checkpoint(fn, x, use_reentrant=False,
-                  context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts, record(ours)))
+    tc.checkpoint(
+        fn,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(tc.create_selective_checkpoint_contexts, record(theirs)),
+    )
+    tc.checkpoint(
+        fn,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts, record(ours)),
+    )
     with torch_sac.sac_context(record(region)):
         fn(x)
-    assert theirs == [(torch.ops.aten.mul.Tensor, ("Tensor", "float"), 2.5),
-                      (torch.ops.aten.add.Tensor, ("Tensor", "int"), 3)]
+    assert theirs == [
+        (torch.ops.aten.mul.Tensor, ("Tensor", "float"), 2.5),
+        (torch.ops.aten.add.Tensor, ("Tensor", "int"), 3),
+    ]
     assert ours == theirs
     assert region == theirs

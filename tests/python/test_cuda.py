@@ -59,18 +59,21 @@ ON_CUDA = DEVICE_TYPE == "cuda"
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
-                       reason="CUDA is not available (TORCH_SAC_TEST_DEVICE=cpu dry-runs this file on the CPU)"),
+    pytest.mark.skipif(
+        ON_CUDA and not torch.cuda.is_available(),
+        reason="CUDA is not available (TORCH_SAC_TEST_DEVICE=cpu dry-runs this file on the CPU)",
+    ),
 ]
 
 
 def cuda_only(what):
     return pytest.mark.skipif(
-        not ON_CUDA, reason=f"{what}: CUDA only (TORCH_SAC_TEST_DEVICE={DEVICE}: CPU dry run)")
+        not ON_CUDA, reason=f"{what}: CUDA only (TORCH_SAC_TEST_DEVICE={DEVICE}: CPU dry run)"
+    )
 
 
-RUN_SEED = 0        # global seed before forward (dropout masks)
-LOSS_SEED = 7       # loss weights (private CPU generator)
+RUN_SEED = 0  # global seed before forward (dropout masks)
+LOSS_SEED = 7  # loss weights (private CPU generator)
 JOIN_TIMEOUT = 120  # seconds a backward thread may take before the test fails
 SLEEP_CYCLES = 20_000_000  # torch.cuda._sleep: ~10-20 ms of one stream doing nothing
 
@@ -83,6 +86,7 @@ POLICIES = {
 # --------------------------------------------------------------------------
 # Fixtures
 # --------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def numerics():
@@ -125,15 +129,19 @@ def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True, warn_only=True) for the block;
     yields the list of warnings torch gave for ops with no deterministic
     implementation (empty: every kernel that ran is deterministic)."""
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    prev = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     nondeterministic = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield nondeterministic
-        nondeterministic.extend(str(w.message).splitlines()[0] for w in caught
-                                if "deterministic" in str(w.message))
+        nondeterministic.extend(
+            str(w.message).splitlines()[0] for w in caught if "deterministic" in str(w.message)
+        )
     finally:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
@@ -141,6 +149,7 @@ def deterministic_algorithms():
 # --------------------------------------------------------------------------
 # Models and steps
 # --------------------------------------------------------------------------
+
 
 def seeded(build, seed=1234):
     """``build()`` with a fixed CPU seed (so the weights are the same on every
@@ -164,7 +173,9 @@ class Net(nn.Module):
     def __init__(self, d=64, heads=4, depth=3, seq=32, dropout=0.1, use_sdpa=False):
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.blocks = nn.ModuleList(GPTBlock(d, heads, dropout, use_sdpa, max_len=seq) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            GPTBlock(d, heads, dropout, use_sdpa, max_len=seq) for _ in range(depth)
+        )
         self.head = nn.Linear(d, d)
         self.wrap = None
 
@@ -219,12 +230,15 @@ class Recorder:
         if self.engine == "checkpoint":
             return torch_sac.checkpoint(block, *args, policy=self.policy, **kwargs)
         if self.engine == "dropin":
-            return tc.checkpoint(block, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+            return tc.checkpoint(
+                block, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs
+            )
         raise AssertionError(self.engine)
 
     def recomputed(self):
-        return (sum(r.stats()["replayed_ops"] for r in self.regions)
-                + sum(c.stats()["recomputed_ops"] for c in self.recompute_contexts))
+        return sum(r.stats()["replayed_ops"] for r in self.regions) + sum(
+            c.stats()["recomputed_ops"] for c in self.recompute_contexts
+        )
 
 
 def run_step(model, x, wrap=None, autocast=None, seed=RUN_SEED):
@@ -234,7 +248,11 @@ def run_step(model, x, wrap=None, autocast=None, seed=RUN_SEED):
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     torch.manual_seed(seed)
-    ctx = torch.autocast(DEVICE_TYPE, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    ctx = (
+        torch.autocast(DEVICE_TYPE, dtype=autocast)
+        if autocast is not None
+        else contextlib.nullcontext()
+    )
     with ctx:
         out = model(x, wrap)
     loss = loss_of(out)
@@ -257,7 +275,11 @@ def assert_bitwise(got, ref, label):
         if a.shape != b.shape or a.dtype != b.dtype:
             bad.append(f"{k}: {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}")
         elif not torch.equal(a, b):
-            diff = "" if k == "rng" else f" (max abs diff {(a.double() - b.double()).abs().max().item():.3g})"
+            diff = (
+                ""
+                if k == "rng"
+                else f" (max abs diff {(a.double() - b.double()).abs().max().item():.3g})"
+            )
             bad.append(f"{k}: not bitwise equal{diff}")
     assert not bad, f"{label}: {len(bad)} of {len(ref)} differ:\n  " + "\n  ".join(bad)
 
@@ -357,7 +379,9 @@ def test_random_ops_replayed_from_the_generator(engine):
     assert_bitwise(got, ref, f"random ops/{engine}")
     assert rec.recomputed() > 0
     if engine == "region":
-        replayed = {row["op"]: row["replayed"] for region in rec.regions for row in region.op_details()}
+        replayed = {
+            row["op"]: row["replayed"] for region in rec.regions for row in region.op_details()
+        }
         random_ops = [op for op in replayed if "dropout" in op or "bernoulli" in op]
         assert any(replayed[op] > 0 for op in random_ops), replayed
 
@@ -387,6 +411,7 @@ def test_dropout_mask_matches():
 # --------------------------------------------------------------------------
 # 2. SDPA with each CUDA backend forced
 # --------------------------------------------------------------------------
+
 
 class AttnMLP(nn.Module):
     """Pre-LN causal SDPA attention and a GELU MLP (head dim 64)."""
@@ -432,7 +457,9 @@ def test_sdpa_backends(backend, policy_name, dropout_p):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if backend != "MATH" and not ON_CUDA:
-        pytest.skip(f"SDPA's {backend} backend is a CUDA kernel (TORCH_SAC_TEST_DEVICE={DEVICE}: CPU dry run)")
+        pytest.skip(
+            f"SDPA's {backend} backend is a CUDA kernel (TORCH_SAC_TEST_DEVICE={DEVICE}: CPU dry run)"
+        )
     dtype = torch.float16 if ON_CUDA else torch.float32  # flash and cuDNN need fp16/bf16
     model = seeded(lambda: AttnMLP(dropout_p=dropout_p)).to(dtype)
     x = randn(2, 64, 128, seed=4, dtype=dtype)
@@ -443,8 +470,10 @@ def test_sdpa_backends(backend, policy_name, dropout_p):
     except RuntimeError as exc:
         if backend == "MATH":
             raise
-        pytest.skip(f"SDPA {backend} refused these inputs on this device "
-                    f"({torch.cuda.get_device_name()}): {str(exc).splitlines()[0]}")
+        pytest.skip(
+            f"SDPA {backend} refused these inputs on this device "
+            f"({torch.cuda.get_device_name()}): {str(exc).splitlines()[0]}"
+        )
     rec = Recorder("region", POLICIES[policy_name]())
     with sdpa_kernel(getattr(SDPBackend, backend)):
         got = run_step(model, x, rec)
@@ -465,17 +494,25 @@ def test_sdpa_backends(backend, policy_name, dropout_p):
         if policy_name == "recompute_all":
             assert row["replayed"] > 0, f"{label}: the attention kernel was never replayed: {row}"
         elif dropout_p == 0.0:
-            assert row["saved"] > 0 and row["replayed"] == 0, f"{label}: save_matmuls did not keep it: {row}"
+            assert row["saved"] > 0 and row["replayed"] == 0, (
+                f"{label}: save_matmuls did not keep it: {row}"
+            )
 
 
 # --------------------------------------------------------------------------
 # 3. Autocast
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("engine,policy_name", [
-    ("region", "save_matmuls"), ("region", "recompute_all"), ("dropin", "save_matmuls"),
-    ("apply_sac", "save_matmuls"),
-])
+
+@pytest.mark.parametrize(
+    "engine,policy_name",
+    [
+        ("region", "save_matmuls"),
+        ("region", "recompute_all"),
+        ("dropin", "save_matmuls"),
+        ("apply_sac", "save_matmuls"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_autocast(dtype, engine, policy_name):
     """Under autocast the region records the casts autocast inserted and
@@ -515,9 +552,17 @@ HF_FALLBACK_TOL = 1e-5
 
 
 def _hf_common():
-    return dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                use_cache=False, attn_implementation="sdpa")
+    return dict(
+        vocab_size=HF_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def build_llama():
@@ -529,13 +574,19 @@ def build_llama():
 def build_mixtral():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    cfg = transformers.MixtralConfig(**_hf_common(), num_local_experts=4, num_experts_per_tok=2,
-                                     output_router_logits=False, experts_implementation="eager")
+    cfg = transformers.MixtralConfig(
+        **_hf_common(),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=False,
+        experts_implementation="eager",
+    )
     model = seeded(lambda: transformers.MixtralForCausalLM(cfg))
     # The loop over experts (not grouped_mm, whose kernels differ by release
     # and card), whatever this transformers release picked by default.
-    if getattr(model.config, "_experts_implementation", None) not in (None, "eager") and \
-            hasattr(model, "set_experts_implementation"):
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager") and hasattr(
+        model, "set_experts_implementation"
+    ):
         model.set_experts_implementation("eager")
     return model
 
@@ -545,14 +596,21 @@ def hf_step(model):
     fused backends' backward is not deterministic)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    ids = torch.randint(0, HF_VOCAB, (HF_BATCH, HF_SEQ), generator=torch.Generator().manual_seed(99)).to(DEVICE)
+    ids = torch.randint(
+        0, HF_VOCAB, (HF_BATCH, HF_SEQ), generator=torch.Generator().manual_seed(99)
+    ).to(DEVICE)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(RUN_SEED)
     with sdpa_kernel(SDPBackend.MATH):
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
     res = {"loss": loss.detach()}
-    res.update({f"{n}.grad": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    res.update(
+        {
+            f"{n}.grad": None if p.grad is None else p.grad.clone()
+            for n, p in model.named_parameters()
+        }
+    )
     res["rng"] = rng_state()
     return res
 
@@ -571,14 +629,20 @@ def check_hf(build, engine, policy_name, label):
         assert stats["replayed_ops"] > 0, "backward replayed nothing"
     if nondeterministic:
         # Stated fallback: not every kernel was deterministic (named here).
-        assert_scaled_close(got, ref, f"{label} (nondeterministic kernels: {sorted(set(nondeterministic))})",
-                            HF_FALLBACK_TOL)
+        assert_scaled_close(
+            got,
+            ref,
+            f"{label} (nondeterministic kernels: {sorted(set(nondeterministic))})",
+            HF_FALLBACK_TOL,
+        )
     else:
         assert_bitwise(got, ref, label)
 
 
-@pytest.mark.parametrize("engine,policy_name", [
-    ("region", "save_matmuls"), ("region", "recompute_all"), ("dropin", "save_matmuls")])
+@pytest.mark.parametrize(
+    "engine,policy_name",
+    [("region", "save_matmuls"), ("region", "recompute_all"), ("dropin", "save_matmuls")],
+)
 def test_hf_llama_step(engine, policy_name):
     check_hf(build_llama, engine, policy_name, f"llama/{engine}/{policy_name}")
 
@@ -589,7 +653,9 @@ def test_hf_moe_step(policy_name):
     .item() on the hit experts), index_add_ into a tensor made in the
     region."""
     impl = getattr(build_mixtral().config, "_experts_implementation", None)
-    check_hf(build_mixtral, "region", policy_name, f"mixtral (experts: {impl})/region/{policy_name}")
+    check_hf(
+        build_mixtral, "region", policy_name, f"mixtral (experts: {impl})/region/{policy_name}"
+    )
 
 
 def _op_row(region, name):
@@ -655,6 +721,7 @@ def test_scaled_mm_saved_by_save_matmuls():
 # --------------------------------------------------------------------------
 # 5. Streams and threads
 # --------------------------------------------------------------------------
+
 
 def poison_cached_blocks(streams, n=48, numel=64 * 1024):
     """Fills cached allocator blocks with NaN (on each stream's pool), so a
@@ -802,6 +869,7 @@ def test_rebuilt_tensor_used_on_another_stream(layout):
 # 6. Memory (the caching allocator's statistics on CUDA)
 # --------------------------------------------------------------------------
 
+
 class Mem:
     """Allocated bytes and their peak above the start of a window: on CUDA
     torch.cuda.memory_allocated / max_memory_allocated after
@@ -839,7 +907,9 @@ def install_torch_sac_baseline(model):
     policy_fn saving mm/addmm/bmm/baddbmm, convolutions and SDPA kernels)
     on each block."""
     context_fn = functools.partial(tc.create_selective_checkpoint_contexts, save_matmuls_fn)
-    model.wrap = lambda block, h: tc.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+    model.wrap = lambda block, h: tc.checkpoint(
+        block, h, use_reentrant=False, context_fn=context_fn
+    )
 
 
 def activation_bytes(model, x):
@@ -893,7 +963,9 @@ def chain_step(model, x, region_kwargs=None):
         if region_kwargs is None:
             out = model(x)
         else:
-            with torch_sac.sac_context(torch_sac.policies.recompute_all(), **region_kwargs) as region:
+            with torch_sac.sac_context(
+                torch_sac.policies.recompute_all(), **region_kwargs
+            ) as region:
                 out = model(x)
         loss = out.float().logsumexp(-1).mean()
         del out
@@ -919,8 +991,10 @@ def test_replay_budget_within_its_bound():
     got, region, peak = chain_step(model, x, {"replay_budget": budget})
     assert_bitwise(got, want, f"one region, replay_budget={budget}")
     stats = region.stats()
-    numbers = (f"peak {peak} B (unbudgeted {unbudgeted_peak} B, plain {plain_peak} B), "
-               f"memo {stats['peak_memo_bytes']} B of budget {budget} B")
+    numbers = (
+        f"peak {peak} B (unbudgeted {unbudgeted_peak} B, plain {plain_peak} B), "
+        f"memo {stats['peak_memo_bytes']} B of budget {budget} B"
+    )
     print("\n" + numbers)
     assert stats["peak_memo_bytes"] <= budget, numbers
     assert stats["memos_skipped"] > 0
@@ -966,6 +1040,7 @@ def test_peak_plan_within_its_bound():
 # 7. DDP and FSDP2 on one rank (NCCL on CUDA; gloo in the CPU dry run)
 # --------------------------------------------------------------------------
 
+
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -985,8 +1060,13 @@ def process_group():
         pytest.skip("a default process group already exists in this process")
     if ON_CUDA:
         torch.cuda.set_device(torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -1012,8 +1092,9 @@ def train_distributed(kind, policy_name, pg, steps=2):
     inner = make_net()
     rec = Recorder("region", POLICIES[policy_name]()) if policy_name else None
     if kind == "ddp":
-        model = DistributedDataParallel(inner, device_ids=[torch.cuda.current_device()] if ON_CUDA else None,
-                                        process_group=pg)
+        model = DistributedDataParallel(
+            inner, device_ids=[torch.cuda.current_device()] if ON_CUDA else None, process_group=pg
+        )
     else:
         mesh = DeviceMesh.from_group(pg, DEVICE_TYPE)
         for block in inner.blocks:
@@ -1104,10 +1185,16 @@ def test_checkpoint_inside_inductor_compiled_function(fresh_dynamo):
     block = seeded(MLPBlock)
     x = randn(8, 16, 64, seed=12)
     ref = compile_step(block, x, block)
-    policy = torch_sac.policies.save_matmuls()  # made outside: Dynamo cannot trace the C++ constructor
-    fn = torch.compile(lambda t: torch_sac.checkpoint(block, t, policy=policy), backend="inductor", fullgraph=True)
+    policy = (
+        torch_sac.policies.save_matmuls()
+    )  # made outside: Dynamo cannot trace the C++ constructor
+    fn = torch.compile(
+        lambda t: torch_sac.checkpoint(block, t, policy=policy), backend="inductor", fullgraph=True
+    )
     got = compile_step(block, x, fn)
-    assert_scaled_close(got, ref, "torch_sac.checkpoint in an Inductor-compiled function", INDUCTOR_TOL)
+    assert_scaled_close(
+        got, ref, "torch_sac.checkpoint in an Inductor-compiled function", INDUCTOR_TOL
+    )
     assert not [w for w in fresh_dynamo if str(w.message).startswith(COMPILED_IN_REGION)]
 
 

@@ -37,22 +37,22 @@ import traceback
 
 import pytest
 
-CASE_TIMEOUT = 60.0     # seconds a case may run before it counts as hung
-GLOO_TIMEOUT = 20.0     # collectives of a case's group give up after this
-TOTAL_BUDGET = 300.0    # after this many seconds of hangs/crashes, the remaining cases fail unrun
+CASE_TIMEOUT = 60.0  # seconds a case may run before it counts as hung
+GLOO_TIMEOUT = 20.0  # collectives of a case's group give up after this
+TOTAL_BUDGET = 300.0  # after this many seconds of hangs/crashes, the remaining cases fail unrun
 STEPS = 3
 D_MODEL, D_HIDDEN, BATCH, SEQ = 64, 256, 4, 32
 
 ENGINES = (
-    "ddp_region",                        # 1
-    "fsdp2_region_per_block",            # 2(a)
-    "fsdp2_region_two_blocks",           # 2(b)
-    "fsdp2_region_nested",               # 2(c)
+    "ddp_region",  # 1
+    "fsdp2_region_per_block",  # 2(a)
+    "fsdp2_region_two_blocks",  # 2(b)
+    "fsdp2_region_nested",  # 2(c)
     "fsdp2_region_two_blocks_layerscale",  # 2(d)
-    "fsdp2_checkpoint_wrapper",          # 3
-    "fsdp2_apply_sac_before",            # apply_sac, then fully_shard
-    "fsdp2_apply_sac_after",             # fully_shard, then apply_sac
-    "fsdp1_apply_ac",                    # 4
+    "fsdp2_checkpoint_wrapper",  # 3
+    "fsdp2_apply_sac_before",  # apply_sac, then fully_shard
+    "fsdp2_apply_sac_after",  # fully_shard, then apply_sac
+    "fsdp1_apply_ac",  # 4
 )
 POLICIES = ("save_matmuls", "recompute_all")
 # FSDP2 creates its all-gather buffers (and the unsharded parameters, views
@@ -83,6 +83,7 @@ def _case_ids():
 # ==========================================================================
 # Worker side (runs in the child processes)
 # ==========================================================================
+
 
 def _worker_models():
     import torch
@@ -130,8 +131,12 @@ def _worker_models():
                     with torch_sac.sac_context(self.wrap[1]):
                         x = self._run(span, x)
                 else:
-                    x = tc.checkpoint(functools.partial(self._run, span), x,
-                                      use_reentrant=False, context_fn=self.wrap[1])
+                    x = tc.checkpoint(
+                        functools.partial(self._run, span),
+                        x,
+                        use_reentrant=False,
+                        context_fn=self.wrap[1],
+                    )
             return self.head(x)
 
     return Block, Model
@@ -139,6 +144,7 @@ def _worker_models():
 
 def _policy(name):
     import torch_sac
+
     return getattr(torch_sac.policies, name)()
 
 
@@ -146,6 +152,7 @@ def _context_fn(kind, policy_name):
     import torch.utils.checkpoint as tc
 
     import torch_sac
+
     policy = _policy(policy_name)
     if kind == "sac":
         return functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
@@ -158,7 +165,9 @@ def _build(engine, variant, policy_name, pg):
     for every variant."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing, checkpoint_wrapper)
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -193,8 +202,9 @@ def _build(engine, variant, policy_name, pg):
         for i, block in enumerate(model.blocks):
             # checkpoint_wrapper with torch_sac's or PyTorch's contexts; in the
             # apply_sac cases only PyTorch's, the comparison.
-            if variant != "ref" and (engine == "fsdp2_checkpoint_wrapper"
-                                     or (apply_sac_case and variant == "torch")):
+            if variant != "ref" and (
+                engine == "fsdp2_checkpoint_wrapper" or (apply_sac_case and variant == "torch")
+            ):
                 block = checkpoint_wrapper(block, context_fn=_context_fn(variant, policy_name))
                 model.blocks[i] = block
             if engine == "fsdp2_region_nested":
@@ -206,19 +216,26 @@ def _build(engine, variant, policy_name, pg):
         return model, model
 
     assert engine == "fsdp1_apply_ac"
-    model = FullyShardedDataParallel(model, process_group=pg, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                     device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(
+        model,
+        process_group=pg,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),
+    )
     if variant != "ref":
         apply_activation_checkpointing(
             model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                    context_fn=_context_fn(variant, policy_name)),
-            check_fn=lambda m: isinstance(m, Block))
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, context_fn=_context_fn(variant, policy_name)
+            ),
+            check_fn=lambda m: isinstance(m, Block),
+        )
     return model, None
 
 
 def _local(t):
     from torch.distributed.tensor import DTensor
+
     if t is None:
         return None
     if isinstance(t, DTensor):
@@ -278,6 +295,7 @@ def _train(engine, variant, policy_name, rank, warm, mem_out, fault=None):
 def _compare(res, ref, what):
     """Mismatch messages ([] when bitwise equal)."""
     import torch
+
     out = []
     if res.keys() != ref.keys():
         return [f"{what}: names differ: {sorted(res)} vs {sorted(ref)}"]
@@ -292,8 +310,10 @@ def _compare(res, ref, what):
         elif not torch.equal(a, b):
             diff = (a.double() - b.double()).abs().max().item()
             close = torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-            out.append(f"{what} {name}: not bitwise equal, max abs diff {diff:.3g}"
-                       f"{' (allclose)' if close else ''}")
+            out.append(
+                f"{what} {name}: not bitwise equal, max abs diff {diff:.3g}"
+                f"{' (allclose)' if close else ''}"
+            )
     return out
 
 
@@ -305,15 +325,19 @@ def _run_case(case, rank, fault=None):
     ref_grads, ref_params = _train(engine, "ref", policy_name, rank, warm, result["mem"])
     try:
         grads, params = _train(engine, "sac", policy_name, rank, warm, result["mem"], fault)
-        result["torch_sac_mismatch"] = (_compare(grads, ref_grads, "grad")
-                                        + _compare(params, ref_params, f"param after {STEPS} steps"))
+        result["torch_sac_mismatch"] = _compare(grads, ref_grads, "grad") + _compare(
+            params, ref_params, f"param after {STEPS} steps"
+        )
     except Exception as exc:  # noqa: BLE001 - the case's failure
-        result.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        result.update(
+            status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+        )
     # PyTorch's own SAC with the same policy, as information.
     try:
         grads, params = _train(engine, "torch", policy_name, rank, warm, result["mem"])
-        result["torch_mismatch"] = (_compare(grads, ref_grads, "grad")
-                                    + _compare(params, ref_params, f"param after {STEPS} steps"))
+        result["torch_mismatch"] = _compare(grads, ref_grads, "grad") + _compare(
+            params, ref_params, f"param after {STEPS} steps"
+        )
     except Exception as exc:  # noqa: BLE001 - reported, not asserted
         result["torch_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return result
@@ -323,16 +347,23 @@ def _worker_main(rank, port, out_dir, cases):
     import datetime
     import faulthandler
 
-    faulthandler.enable()                              # SIGSEGV/abort: Python stacks to stderr
-    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the parent's "you hung" probe
+    faulthandler.enable()  # SIGSEGV/abort: Python stacks to stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "you hung" probe
     import torch
+
     torch.set_num_threads(1)
     import torch_sac
+
     torch_sac.memory.install_counting_allocator()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=CASE_TIMEOUT))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=CASE_TIMEOUT),
+    )
     store = dist.distributed_c10d._get_default_store()
     log = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a", buffering=1)
 
@@ -353,8 +384,11 @@ def _worker_main(rank, port, out_dir, cases):
         try:
             rec = _run_case(case, rank, fault if case == fault_case and rank == 1 else None)
         except Exception as exc:  # noqa: BLE001
-            rec = {"status": "error", "error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()}
+            rec = {
+                "status": "error",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
         emit(event="end", case=case, seconds=round(time.perf_counter() - t0, 2), **rec)
         # Both ranks leave a case together (through the store, not a
         # collective): a rank that failed early must not start the next case
@@ -370,12 +404,13 @@ def _worker_main(rank, port, out_dir, cases):
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)   # skip interpreter teardown (gloo threads)
+    os._exit(0)  # skip interpreter teardown (gloo threads)
 
 
 # ==========================================================================
 # Parent side (pytest)
 # ==========================================================================
+
 
 def _free_port():
     with socket.socket() as s:
@@ -409,10 +444,22 @@ def _run_pair(cases, out_dir):
     for rank in range(2):
         logs.append(os.path.join(out_dir, f"rank{rank}.log"))
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", str(rank), str(port), out_dir,
-                 ",".join(cases)],
-                stdout=log, stderr=subprocess.STDOUT, env=env))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--worker",
+                        str(rank),
+                        str(port),
+                        out_dir,
+                        ",".join(cases),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
     # A case's clock starts when the previous case has ended on both ranks
     # (for the first case: at launch, which includes the workers' start-up).
     case_started = time.monotonic()
@@ -440,7 +487,9 @@ def _run_pair(cases, out_dir):
                 rcs = [p.poll() for p in procs]
                 failure = "crash: " + ", ".join(
                     f"rank {r} exited with {'signal ' + signal.Signals(-rc).name if rc < 0 else rc}"
-                    for r, rc in enumerate(rcs) if rc not in (None, 0))
+                    for r, rc in enumerate(rcs)
+                    if rc not in (None, 0)
+                )
                 break
             if time.monotonic() - case_started > CASE_TIMEOUT:
                 failure = f"hang: no result within {CASE_TIMEOUT:.0f} s (Python stacks dumped in the log tails)"
@@ -464,8 +513,12 @@ def _run_pair(cases, out_dir):
         if failure is None:
             failure = "worker exited without reporting the case"
         started = any(r_["event"] == "start" for rr in recs for r_ in rr)
-        settled[case] = {"ranks": [ends[r].get(case) for r in range(2)], "failure": failure,
-                         "logs": {r: _tail(logs[r]) for r in range(2)}, "start_up_failed": not started}
+        settled[case] = {
+            "ranks": [ends[r].get(case) for r in range(2)],
+            "failure": failure,
+            "logs": {r: _tail(logs[r]) for r in range(2)},
+            "start_up_failed": not started,
+        }
         break
     return settled
 
@@ -478,9 +531,12 @@ def _run_cases(cases):
     while remaining:
         if time.monotonic() - start > TOTAL_BUDGET:
             for case in remaining:
-                results[case] = {"ranks": [None, None], "logs": {},
-                                 "failure": f"not run: the file's time budget ({TOTAL_BUDGET:.0f} s) "
-                                            "was used up by earlier hangs or crashes"}
+                results[case] = {
+                    "ranks": [None, None],
+                    "logs": {},
+                    "failure": f"not run: the file's time budget ({TOTAL_BUDGET:.0f} s) "
+                    "was used up by earlier hangs or crashes",
+                }
             break
         out_dir = tempfile.mkdtemp(prefix="torch_sac_dist_")
         try:
@@ -488,8 +544,12 @@ def _run_cases(cases):
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
         assert settled, "internal: a worker pair settled no case"
-        if len(settled) == 1 and next(iter(settled.values())).get("start_up_failed") and not retried:
-            retried = True      # e.g. the port was taken between probing and binding: retry once
+        if (
+            len(settled) == 1
+            and next(iter(settled.values())).get("start_up_failed")
+            and not retried
+        ):
+            retried = True  # e.g. the port was taken between probing and binding: retry once
             continue
         results.update(settled)
         remaining = [c for c in remaining if c not in results]
@@ -529,15 +589,24 @@ def _report(case, outcome):
             lines.append(f"    PyTorch SAC: {rec['torch_error']}")
         elif rec.get("torch_mismatch") is not None:
             tm = rec["torch_mismatch"]
-            lines.append("    PyTorch SAC: " + ("bitwise equal to the reference" if not tm
-                                               else f"{len(tm)} mismatches, e.g. {tm[0]}"))
+            lines.append(
+                "    PyTorch SAC: "
+                + (
+                    "bitwise equal to the reference"
+                    if not tm
+                    else f"{len(tm)} mismatches, e.g. {tm[0]}"
+                )
+            )
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
-    for c in _case_ids()
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=XFAIL[c])) if c in XFAIL else c
+        for c in _case_ids()
+    ],
+)
 def test_distributed(case, distributed_results):
     outcome = distributed_results[case]
     print(_report(case, outcome))
@@ -551,12 +620,19 @@ def test_distributed(case, distributed_results):
         pytest.fail(f"{case}: {outcome['failure']}\n" + "\n".join(details), pytrace=False)
     errors = [(r, rec) for r, rec in enumerate(outcome["ranks"]) if rec["status"] != "ok"]
     if errors:
-        pytest.fail("\n".join([f"{case}: rank {r} raised {rec['error']}" for r, rec in errors]
-                              + [f"rank {r}: {rec['traceback']}" for r, rec in errors]), pytrace=False)
+        pytest.fail(
+            "\n".join(
+                [f"{case}: rank {r} raised {rec['error']}" for r, rec in errors]
+                + [f"rank {r}: {rec['traceback']}" for r, rec in errors]
+            ),
+            pytrace=False,
+        )
     for rank, rec in enumerate(outcome["ranks"]):
         mism = rec["torch_sac_mismatch"]
-        assert not mism, f"{case}: rank {rank}: torch_sac differs from the un-checkpointed run:\n" + \
-            "\n".join(mism[:10])
+        assert not mism, (
+            f"{case}: rank {rank}: torch_sac differs from the un-checkpointed run:\n"
+            + "\n".join(mism[:10])
+        )
         if case.startswith("fsdp2_apply_sac"):
             # Bitwise gradients would not notice apply_sac doing nothing: its
             # regions must have run and dropped ops (4 blocks' worth).

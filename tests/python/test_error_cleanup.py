@@ -36,8 +36,9 @@ def raising(x):
 
 
 def _contexts():
-    return functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                             torch_sac.policies.save_matmuls())
+    return functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls()
+    )
 
 
 def _torch_checkpoint(x):
@@ -167,6 +168,7 @@ def test_generator_closed_late_on_another_thread_is_harmless():
 def test_profile_function_set_inside_the_forward_is_kept():
     """A profile function set while the watch is installed (sys.setprofile
     inside the checkpointed function) stays set when the forward ends."""
+
     def profile_function(frame, event, arg):
         pass
 

@@ -29,8 +29,9 @@ class Boom(Exception):
 
 
 def _contexts(policy=None):
-    return functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                             policy or torch_sac.policies.save_matmuls())
+    return functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, policy or torch_sac.policies.save_matmuls()
+    )
 
 
 def _ckpt(fn, *args, policy=None):
@@ -84,6 +85,7 @@ def test_nested_error_in_region_and_sac_checkpoint_inside_checkpoint():
         def fn(u):
             body(u)
             raise Boom("torch_sac.checkpoint")
+
         return torch_sac.checkpoint(fn, t, policy=torch_sac.policies.save_matmuls())
 
     def outer(t):
@@ -170,7 +172,9 @@ def test_base_exceptions_leave_nothing(exc):
         raise exc("raised")
 
     before = _dispatch_state()
-    expected = RuntimeError if exc is StopIteration else exc  # PEP 479 does not apply; torch re-raises as is
+    expected = (
+        RuntimeError if exc is StopIteration else exc
+    )  # PEP 479 does not apply; torch re-raises as is
     with pytest.raises(BaseException) as kept:
         _ckpt(fn, torch.randn(5, 5, requires_grad=True))
     assert isinstance(kept.value, (exc, expected))
@@ -315,6 +319,7 @@ def test_user_profile_function_kept_across_normal_checkpoint():
 # then never closes: the contexts and torch's saved-tensor hooks stay on the
 # thread for good, and every later error on the thread leaks the same way.
 
+
 def _reset_by_setprofile_none(t):
     sys.setprofile(None)
 
@@ -360,8 +365,10 @@ def test_profile_function_replaced_inside_raising_forward(reset):
         (w @ w).sum().backward()
         # A later plain error on the thread is cleaned up too.
         with pytest.raises(Boom):
-            _ckpt(lambda t: (body(t), (_ for _ in ()).throw(Boom("later")))[0],
-                  torch.randn(5, 5, requires_grad=True))
+            _ckpt(
+                lambda t: (body(t), (_ for _ in ()).throw(Boom("later")))[0],
+                torch.randn(5, 5, requires_grad=True),
+            )
         gc.collect()
         assert _dispatch_state() == before
     finally:
@@ -400,6 +407,7 @@ def test_profile_function_saved_and_restored_inside_forward_is_kept():
     function, so code that saves and restores it keeps it (torch <= 2.12:
     None while the exit watch is installed, and the user's profile function
     is gone after the checkpoint)."""
+
     def profile_function(frame, event, arg):
         pass
 

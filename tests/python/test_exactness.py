@@ -61,9 +61,10 @@ def nothing_installed():
 # 1-2. Writes through an alias with its own version counter; SDPA's bias
 # --------------------------------------------------------------------------
 
+
 def scores_plus_mask(q, k, mask):
     s = torch.matmul(q, k.transpose(-1, -2))  # 4-D: bmm, then _unsafe_view
-    s += mask                                 # writes bmm's storage through the alias
+    s += mask  # writes bmm's storage through the alias
     return s.softmax(-1)
 
 
@@ -83,6 +84,7 @@ def test_write_through_unsafe_view_to_saved_bmm_is_exact(engine):
 def test_write_after_forward_through_unsafe_view_raises():
     """A cached bmm output written after forward through the `_unsafe_view`
     alias forward returned (a version counter of its own) is seen."""
+
     def fn(q, k):
         s = torch.matmul(q, k.transpose(-1, -2))
         return s.exp(), s
@@ -102,6 +104,7 @@ def test_write_after_forward_through_unsafe_view_raises():
 def test_sdpa_with_learned_bias_is_exact(engine, policy):
     """T5/ALiBi-style: a bias that requires grad makes SDPA's CPU math path
     add it in place into the bmm output."""
+
     def fn(q, k, v, bias):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
@@ -114,6 +117,7 @@ def test_sdpa_with_learned_bias_is_exact(engine, policy):
 # --------------------------------------------------------------------------
 # 3. Process-wide state that changes an op's result
 # --------------------------------------------------------------------------
+
 
 def ones_times(x):
     return (x * torch.ones(x.shape)).sin()
@@ -183,6 +187,7 @@ def test_replay_runs_under_the_forward_deterministic_setting(engine):
 # 4. Ops under no_grad inside a checkpointed region
 # --------------------------------------------------------------------------
 
+
 class ScaledTanh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -242,6 +247,7 @@ expensive.register_autograd(
 def test_saved_custom_op_runs_once(engine):
     """A custom op with its own autograd formula runs below autograd with
     grad off; a SAVE decision for it keeps it from running again."""
+
     def policy(ctx, op, *args, **kwargs):
         if op is torch.ops.torch_sac_test.expensive.default:
             return torch_sac.Policy.MUST_SAVE
@@ -254,8 +260,10 @@ def test_saved_custom_op_runs_once(engine):
     calls_of_expensive.clear()
     if engine == "torch":
         torch_policy = lambda ctx, op, *a, **k: (  # noqa: E731
-            tc.CheckpointPolicy.MUST_SAVE if op is torch.ops.torch_sac_test.expensive.default
-            else tc.CheckpointPolicy.PREFER_RECOMPUTE)
+            tc.CheckpointPolicy.MUST_SAVE
+            if op is torch.ops.torch_sac_test.expensive.default
+            else tc.CheckpointPolicy.PREFER_RECOMPUTE
+        )
         ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, torch_policy)
         tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn).sum().backward()
     else:
@@ -267,6 +275,7 @@ def test_saved_custom_op_runs_once(engine):
 # 5. Dispatch modes entered outside the checkpoint
 # --------------------------------------------------------------------------
 
+
 def two_matmuls(x, w):
     return (x @ w).relu() @ w
 
@@ -274,8 +283,11 @@ def two_matmuls(x, w):
 @pytest.mark.parametrize("which", ["torch", "torch_sac"])
 def test_flop_counter_outside_sees_what_it_sees_under_torch(which):
     x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
-    make = tc.create_selective_checkpoint_contexts if which == "torch" else \
-        torch_sac.create_selective_checkpoint_contexts
+    make = (
+        tc.create_selective_checkpoint_contexts
+        if which == "torch"
+        else torch_sac.create_selective_checkpoint_contexts
+    )
     ctx_fn = functools.partial(make, [aten.mm.default])
     with FlopCounterMode(display=False) as counter:
         tc.checkpoint(two_matmuls, x, w, use_reentrant=False, context_fn=ctx_fn).sum().backward()
@@ -307,14 +319,19 @@ def test_policy_sees_outputs_tagged_by_an_outer_mode():
                 out = getattr(ctx, "op_output", None)
                 seen[which].append((op, getattr(out, "tagged_by_mode", False)))
             return tc.CheckpointPolicy.PREFER_RECOMPUTE
+
         return policy
 
     x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    for which, make in (("torch", tc.create_selective_checkpoint_contexts),
-                        ("torch_sac", torch_sac.create_selective_checkpoint_contexts)):
+    for which, make in (
+        ("torch", tc.create_selective_checkpoint_contexts),
+        ("torch_sac", torch_sac.create_selective_checkpoint_contexts),
+    ):
         ctx_fn = functools.partial(make, make_policy(which))
         with Tagging():
-            tc.checkpoint(two_matmuls, x, w, use_reentrant=False, context_fn=ctx_fn).sum().backward()
+            tc.checkpoint(
+                two_matmuls, x, w, use_reentrant=False, context_fn=ctx_fn
+            ).sum().backward()
     assert seen["torch_sac"] and all(tagged for _, tagged in seen["torch_sac"]), seen
     if _compat.sac_policy_sees_output():
         assert seen["torch_sac"] == seen["torch"], seen
@@ -325,6 +342,7 @@ def test_policy_sees_outputs_tagged_by_an_outer_mode():
 # --------------------------------------------------------------------------
 # 6. Kinds of tensors: exact, or NotImplementedError naming the op
 # --------------------------------------------------------------------------
+
 
 def _quantized(x):
     q = torch.quantize_per_tensor(x.detach() * 2, 0.1, 0, torch.qint8)
@@ -399,6 +417,7 @@ def test_meta_tensors_run(engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_tensor_subclass_in_a_region_is_exact(engine):
     """It once deadlocked: detaching the subclass re-entered the region."""
+
     def fn(t):
         return (t * t.sum()).view(-1).exp()
 
@@ -422,8 +441,9 @@ def test_replay_refuses_a_freed_outside_tensor():
     a replay that reads one raises naming the op, never reads freed memory."""
     x = torch.randn(16, requires_grad=True)
     gamma = torch.randn(16, requires_grad=True)
-    out = torch_sac.checkpoint(lambda t: (t * gamma).sin(), x,
-                               policy=torch_sac.policies.recompute_all())
+    out = torch_sac.checkpoint(
+        lambda t: (t * gamma).sin(), x, policy=torch_sac.policies.recompute_all()
+    )
     gamma.untyped_storage().resize_(0)
     with pytest.raises(RuntimeError, match=r"aten::mul.*freed or resized"):
         out.sum().backward()
@@ -434,9 +454,11 @@ def test_replay_refuses_a_freed_outside_tensor():
 # 8. The drop-in's recompute must run what forward ran
 # --------------------------------------------------------------------------
 
+
 def test_dropin_recompute_taking_another_path_raises():
     """Forward runs sin, recompute (another draw from Python's RNG) cos: the
     tensor exp saved would be rebuilt from other values."""
+
     def fn(x):
         h = x.sin() if chooser.random() < 0.5 else x.cos()
         return h.exp()
@@ -446,8 +468,9 @@ def test_dropin_recompute_taking_another_path_raises():
     assert (draws[0] < 0.5) != (draws[1] < 0.5)
     chooser = random.Random(3)
     x = torch.randn(8, requires_grad=True)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                               torch_sac.policies.recompute_all())
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.recompute_all()
+    )
     out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
     with pytest.raises(RuntimeError, match=r"recompute does not match forward: aten::cos") as err:
         out.sum().backward()
@@ -465,8 +488,9 @@ def test_dropin_recompute_with_other_shapes_names_the_cause():
         return x[: next(sizes)].exp()
 
     x = torch.randn(6, requires_grad=True)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                               torch_sac.policies.recompute_all())
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.recompute_all()
+    )
     out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
     with pytest.raises(RuntimeError, match="shapes or dtypes differ from forward's") as err:
         out.sum().backward()
@@ -484,8 +508,9 @@ def test_dropin_recompute_after_a_cache_grew_names_the_cache():
         return cache["kv"].exp()
 
     x = torch.randn(3, requires_grad=True)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                               torch_sac.policies.recompute_all())
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.recompute_all()
+    )
     out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
     with pytest.raises(RuntimeError, match="grew along dim 0 from 3 to 6") as err:
         out.sum().backward()
@@ -501,13 +526,14 @@ def test_dropin_optimizer_step_inside_the_function_raises():
         y = (x @ w).sin()
         loss = y.pow(2).sum()
         w.grad = None
-        loss.backward(retain_graph=True)   # an auxiliary loss...
-        opt.step()                         # ...and a step, inside the checkpoint
+        loss.backward(retain_graph=True)  # an auxiliary loss...
+        opt.step()  # ...and a step, inside the checkpoint
         return y
 
     x = torch.randn(4, 8, requires_grad=True)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                               torch_sac.policies.recompute_all())
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.recompute_all()
+    )
     out = tc.checkpoint(fn, x, use_reentrant=False, context_fn=ctx_fn)
     with pytest.raises(RuntimeError, match="torch_sac"):
         out.sum().backward()
@@ -517,6 +543,7 @@ def test_dropin_optimizer_step_inside_the_function_raises():
 # --------------------------------------------------------------------------
 # 3 (cont.). functorch transforms inside a region
 # --------------------------------------------------------------------------
+
 
 def _vmapped(x, w):
     y = torch.func.vmap(lambda t: (t @ w).sin().exp())(x)
@@ -538,8 +565,11 @@ def test_func_grad_inside_a_region_is_refused_by_pytorch():
     nothing left installed."""
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
-        torch_sac.checkpoint(lambda t: torch.func.grad(lambda u: u.sin().sum())(t), x,
-                             policy=torch_sac.policies.recompute_all())
+        torch_sac.checkpoint(
+            lambda t: torch.func.grad(lambda u: u.sin().sum())(t),
+            x,
+            policy=torch_sac.policies.recompute_all(),
+        )
     nothing_installed()
 
 
@@ -547,8 +577,9 @@ def test_func_grad_inside_a_region_is_refused_by_pytorch():
 # Found by the fuzzer (tests/python/test_fuzz.py)
 # --------------------------------------------------------------------------
 
+
 def _random_then_dropout(x):
-    noise = torch.rand_like(x)                    # saved by save_all: must not be cached
+    noise = torch.rand_like(x)  # saved by save_all: must not be cached
     return F.dropout(x * noise, 0.25, training=True)
 
 
@@ -561,8 +592,8 @@ def test_random_ops_are_recomputed_so_later_masks_match(engine):
 
 
 def _read_then_write_outside(a, x):
-    b = a + x        # dropped: its replay reads `a`...
-    a.add_(1.0)      # ...which a recorded in-place op then overwrites
+    b = a + x  # dropped: its replay reads `a`...
+    a.add_(1.0)  # ...which a recorded in-place op then overwrites
     return torch.sin(b)
 
 
@@ -573,8 +604,9 @@ def test_region_replays_a_read_of_an_outside_tensor_written_later_in_the_region(
     xr = x.detach().clone().requires_grad_()
     _read_then_write_outside(ref_a, xr).sum().backward()
     xo = x.detach().clone().requires_grad_()
-    out = torch_sac.checkpoint(_read_then_write_outside, our_a, xo,
-                               policy=torch_sac.policies.recompute_all())
+    out = torch_sac.checkpoint(
+        _read_then_write_outside, our_a, xo, policy=torch_sac.policies.recompute_all()
+    )
     out.sum().backward()
     assert_tensors_equal(xo.grad, xr.grad, "x.grad")
     assert_tensors_equal(our_a, ref_a, "a written once")
@@ -582,8 +614,8 @@ def test_region_replays_a_read_of_an_outside_tensor_written_later_in_the_region(
 
 
 def _read_then_foreach_write_outside(a, x):
-    b = a + x                       # dropped: its replay reads `a`...
-    torch._foreach_add_([a], 1.0)   # ...which a tensor-list write then overwrites
+    b = a + x  # dropped: its replay reads `a`...
+    torch._foreach_add_([a], 1.0)  # ...which a tensor-list write then overwrites
     return torch.sin(b)
 
 
@@ -594,8 +626,9 @@ def test_region_replays_a_read_of_an_outside_tensor_written_by_a_list_op():
     xr = x.detach().clone().requires_grad_()
     _read_then_foreach_write_outside(ref_a, xr).sum().backward()
     xo = x.detach().clone().requires_grad_()
-    out = torch_sac.checkpoint(_read_then_foreach_write_outside, our_a, xo,
-                               policy=torch_sac.policies.recompute_all())
+    out = torch_sac.checkpoint(
+        _read_then_foreach_write_outside, our_a, xo, policy=torch_sac.policies.recompute_all()
+    )
     out.sum().backward()
     assert_tensors_equal(xo.grad, xr.grad, "x.grad")
     assert_tensors_equal(our_a, ref_a, "a written once")

@@ -11,25 +11,52 @@ def test_hf_llama_finetune_example():
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "examples", "hf_llama_finetune.py")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("gradients bitwise equal to no checkpointing") == 3, proc.stdout
 
 
 def test_revolve_chain_example_runs_the_optimal_schedule():
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "examples", "revolve_chain.py"),
-         "--steps", "12", "--slots", "3"],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "examples", "revolve_chain.py"),
+            "--steps",
+            "12",
+            "--slots",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "schedule executed exactly" in proc.stdout
 
 
 def test_peak_plan_example_fits_and_is_bitwise():
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "examples", "peak_plan.py"),
-         "--depth", "4", "--fraction", "0.4", "--steps", "2"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "examples", "peak_plan.py"),
+            "--depth",
+            "4",
+            "--fraction",
+            "0.4",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("fits") == 2, proc.stdout
     assert proc.stdout.count("bitwise equal to no checkpointing") == 2, proc.stdout

@@ -104,8 +104,11 @@ _COMMON = dict(
     deadline=None,
     print_blob=True,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                           HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
 )
 settings.register_profile("ci", max_examples=60, derandomize=True, database=None, **_COMMON)
 settings.register_profile(
@@ -141,14 +144,16 @@ class Program:
     """A straight-line program: inputs v0..v{n-1}, one line (or ``with``
     block) per step, each defining the next ``v``; returns some of them."""
 
-    def __init__(self, inputs, lines, outputs, written, matmul_roots, data_seed, line_info=(), home=None):
+    def __init__(
+        self, inputs, lines, outputs, written, matmul_roots, data_seed, line_info=(), home=None
+    ):
         self.line_info = list(line_info)  # per line: LineInfo (storages read and written)
-        self.home = home or {}            # root -> index of the line that made it
+        self.home = home or {}  # root -> index of the line that made it
         # inputs: list of (name, kind, shape, dtype_name, as_arg); kind in leaf/const
         self.inputs = inputs
         self.lines = lines
         self.outputs = outputs
-        self.written = written            # roots written in place: {"const", "inter", "nograd": set(name)}
+        self.written = written  # roots written in place: {"const", "inter", "nograd": set(name)}
         self.matmul_roots = matmul_roots  # roots produced by a matmul-like op
         self.data_seed = data_seed
         self._code = None
@@ -201,9 +206,12 @@ class Program:
             if info.op == "mul_t":
                 return True
             if info.op == "masked_fill_" and info.write in info.reads_other:
-                return True   # the mask (a separate op) reads it first
-            if any(info.write in self.line_info[r].reads for r in range(w)
-                   if self.region_of(r, layout) == region):
+                return True  # the mask (a separate op) reads it first
+            if any(
+                info.write in self.line_info[r].reads
+                for r in range(w)
+                if self.region_of(r, layout) == region
+            ):
                 return True
         return False
 
@@ -246,22 +254,30 @@ class Program:
         elif layout[0] == "nested":
             a, b = bounds
             out += ["    with _region():"] + indent(self.lines[:a], 2)
-            out += ["        with _region():"] + indent(self.lines[a:b], 3) + indent(self.lines[b:], 2)
+            out += (
+                ["        with _region():"] + indent(self.lines[a:b], 3) + indent(self.lines[b:], 2)
+            )
         else:
             out += indent(self.lines, 1)
         out.append(f"    return ({', '.join(self.outputs)},)")
         return "\n".join(out)
 
     def setup(self):
-        lines = ["import torch, torch.nn.functional as F",
-                 "from models import ScaledTanhFn as ScaledTanh  # tests/python on sys.path",
-                 "_item = lambda t: t.item()",
-                 f"g = torch.Generator().manual_seed({self.data_seed})"]
+        lines = [
+            "import torch, torch.nn.functional as F",
+            "from models import ScaledTanhFn as ScaledTanh  # tests/python on sys.path",
+            "_item = lambda t: t.item()",
+            f"g = torch.Generator().manual_seed({self.data_seed})",
+        ]
         for name, kind, shape, dt, as_arg in self.inputs:
             grad = ".requires_grad_()" if kind == "leaf" else ""
-            lines.append(f"{name} = torch.randn({shape}, generator=g, dtype={DTYPES[dt]}){grad}"
-                         f"  # {kind}{'' if kind == 'leaf' else (', argument' if as_arg else ', closure')}")
-        lines.append("gen = torch.Generator().manual_seed(1234)  # explicit generator used by the program")
+            lines.append(
+                f"{name} = torch.randn({shape}, generator=g, dtype={DTYPES[dt]}){grad}"
+                f"  # {kind}{'' if kind == 'leaf' else (', argument' if as_arg else ', closure')}"
+            )
+        lines.append(
+            "gen = torch.Generator().manual_seed(1234)  # explicit generator used by the program"
+        )
         return "\n".join(lines)
 
     def source(self):
@@ -288,8 +304,12 @@ def _item_meta(t):
 
 
 def _namespace(meta):
-    return {"torch": torch, "F": F, "ScaledTanh": ScaledTanh,
-            "_item": _item_meta if meta else _item_real}
+    return {
+        "torch": torch,
+        "F": F,
+        "ScaledTanh": ScaledTanh,
+        "_item": _item_meta if meta else _item_real,
+    }
 
 
 def _fmt(x):
@@ -302,13 +322,13 @@ def programs(draw):
     n_leaves = draw(st.integers(1, 3))
     n_consts = draw(st.integers(0, 2))
     inputs = []
-    meta = {}          # name -> meta tensor (current value)
-    names = []         # v-names in definition order
-    root = {}          # name -> name of the value owning its storage
-    origin = {}        # root name -> "leaf" / "const" / "inter"
+    meta = {}  # name -> meta tensor (current value)
+    names = []  # v-names in definition order
+    root = {}  # name -> name of the value owning its storage
+    origin = {}  # root name -> "leaf" / "const" / "inter"
     written = {"const": set(), "inter": set(), "nograd": set()}
-    line_info = []     # per line: LineInfo
-    home = {}          # root name -> index of the line that made it (inputs: absent)
+    line_info = []  # per line: LineInfo
+    home = {}  # root name -> index of the line that made it (inputs: absent)
     matmul_roots = set()
     for i in range(n_leaves + n_consts):
         name = f"v{i}"
@@ -334,12 +354,16 @@ def programs(draw):
     def pickv(cands):
         """Operands: uniformly from all candidates, or (to build deep chains
         rather than dead code) from those needing grad, or the most recent."""
+
         def first(c):
             return c[0] if isinstance(c, tuple) else c
 
         def recency(c):
-            return max(int(n[1:]) for n in (c if isinstance(c, tuple) else (c,))
-                       if isinstance(n, str) and re.fullmatch(r"v\d+", n))
+            return max(
+                int(n[1:])
+                for n in (c if isinstance(c, tuple) else (c,))
+                if isinstance(n, str) and re.fullmatch(r"v\d+", n)
+            )
 
         mode = draw(st.integers(0, 3))
         if mode >= 1:
@@ -382,14 +406,22 @@ def programs(draw):
             a, b = pick([0.5, -1.5, 2.0]), pick([0.0, 1.0, -0.25])
             line = f"{new} = {i} * {_fmt(a)} + {_fmt(b)}"
         elif kind == "binary":
-            pairs = [(a, b) for a in names for b in names
-                     if bcast(shape(a), shape(b)) is not None and fresh_ok(bcast(shape(a), shape(b)))]
+            pairs = [
+                (a, b)
+                for a in names
+                for b in names
+                if bcast(shape(a), shape(b)) is not None and fresh_ok(bcast(shape(a), shape(b)))
+            ]
             a, b = pickv(pairs)
             fn = pick(["add", "mul", "sub"])
             line = f"{new} = torch.{fn}({a}, {b})"
         elif kind == "where":
-            pairs = [(a, b) for a in names for b in names
-                     if bcast(shape(a), shape(b)) is not None and fresh_ok(bcast(shape(a), shape(b)))]
+            pairs = [
+                (a, b)
+                for a in names
+                for b in names
+                if bcast(shape(a), shape(b)) is not None and fresh_ok(bcast(shape(a), shape(b)))
+            ]
             a, b = pickv(pairs)
             line = f"{new} = torch.where({a} > 0, {a}, {b})"
         elif kind == "mm":
@@ -437,7 +469,12 @@ def programs(draw):
                         cands.append((a, b, "nd@2d"))
                         if ndims[a] == 3:
                             cands.append((a, b, "4d@2d"))
-                    if ndims[b] == 3 and ndims[a] == 3 and shape(b)[1] == k and shape(b)[0] == shape(a)[0]:
+                    if (
+                        ndims[b] == 3
+                        and ndims[a] == 3
+                        and shape(b)[1] == k
+                        and shape(b)[0] == shape(a)[0]
+                    ):
                         cands.append((a, b, "4d@4d"))
             if cands:
                 a, b, how = pickv(cands)
@@ -491,12 +528,16 @@ def programs(draw):
             elif v == "select":
                 expr = f"{i}[{pick([0, 1]) if s[0] >= 2 else 0}]"
             elif v == "expand":
-                expr = f"{i}.unsqueeze(0).expand(2, {', '.join(map(str, s))})" if s else f"{i}.expand(2)"
+                expr = (
+                    f"{i}.unsqueeze(0).expand(2, {', '.join(map(str, s))})"
+                    if s
+                    else f"{i}.expand(2)"
+                )
             elif v == "unsqueeze":
                 expr = f"{i}.unsqueeze({pick(list(range(len(s) + 1)))})"
             else:
                 expr = f"{i}.detach()"
-                view_of = i   # shares the storage; not a view autograd knows about
+                view_of = i  # shares the storage; not a view autograd knows about
             line = f"{new} = {expr}"
         elif kind == "inplace":
             targets = []
@@ -506,13 +547,16 @@ def programs(draw):
                 if origin[r] == "leaf":
                     continue
                 if any(st_ == 0 and sz > 1 for st_, sz in zip(t.stride(), t.shape)):
-                    continue   # expanded: in-place is an error
+                    continue  # expanded: in-place is an error
                 targets.append(n)
             if targets:
                 tgt = pickv(targets)
                 s = shape(tgt)
-                others = [n for n in names if n != tgt and bcast(shape(n), s) == s
-                          and meta[n].dtype == meta[tgt].dtype]
+                others = [
+                    n
+                    for n in names
+                    if n != tgt and bcast(shape(n), s) == s and meta[n].dtype == meta[tgt].dtype
+                ]
                 ops = ["add_s", "mul_s", "relu_"]
                 if others:
                     ops += ["add_t", "mul_t", "masked_fill_"]
@@ -604,8 +648,12 @@ def programs(draw):
                 expr = f"{i}.tanh() * {i}"
             line = f"with torch.no_grad():\n    {new} = {expr}"
         elif kind == "custom":
-            pairs = [(a, b) for a in names for b in names
-                     if meta[a].dtype == meta[b].dtype and bcast(shape(a), shape(b)) == shape(a)]
+            pairs = [
+                (a, b)
+                for a in names
+                for b in names
+                if meta[a].dtype == meta[b].dtype and bcast(shape(a), shape(b)) == shape(a)
+            ]
             a, b = pickv(pairs)
             line = f"{new} = ScaledTanh.apply({a}, {b})"
         elif kind == "cast":
@@ -613,8 +661,12 @@ def programs(draw):
             to = "float32" if meta[i].dtype == torch.float64 else "float64"
             line = f"{new} = {i}.to(torch.{to})"
         elif kind == "cat":
-            pairs = [(a, b) for a in names for b in names
-                     if shape(a) == shape(b) and meta[a].dtype == meta[b].dtype and shape(a)]
+            pairs = [
+                (a, b)
+                for a in names
+                for b in names
+                if shape(a) == shape(b) and meta[a].dtype == meta[b].dtype and shape(a)
+            ]
             if pairs:
                 a, b = pickv(pairs)
                 if pick(["cat", "stack"]) == "cat" and fresh_ok((2 * shape(a)[0],) + shape(a)[1:]):
@@ -654,11 +706,18 @@ def programs(draw):
         else:
             root[new] = new
             origin[new] = "inter"
-            if kind not in ("no_grad", "custom"):   # those run with grad off: not recorded
+            if kind not in ("no_grad", "custom"):  # those run with grad off: not recorded
                 home[new] = len(lines) - 1
         reads_other = {root[n] for n in re.findall(r"\bv\d+\b", line) if n not in (new, view_of)}
-        line_info.append(LineInfo(frozenset(reads), write_root, nograd_write, write_op,
-                                  frozenset(reads_other) if write_root is not None else frozenset()))
+        line_info.append(
+            LineInfo(
+                frozenset(reads),
+                write_root,
+                nograd_write,
+                write_op,
+                frozenset(reads_other) if write_root is not None else frozenset(),
+            )
+        )
         if write_root is not None:
             written["const" if origin[write_root] == "const" else "inter"].add(write_root)
             if nograd_write:
@@ -677,9 +736,29 @@ def programs(draw):
     return Program(inputs, lines, outputs, written, matmul_roots, data_seed, line_info, home)
 
 
-STEP_KINDS = ["unary", "affine", "binary", "where", "mm", "bmm", "matmul", "view", "view",
-              "inplace", "inplace", "inplace", "random", "reduce", "factory", "no_grad",
-              "custom", "cast", "cat", "item", "clone"]
+STEP_KINDS = [
+    "unary",
+    "affine",
+    "binary",
+    "where",
+    "mm",
+    "bmm",
+    "matmul",
+    "view",
+    "view",
+    "inplace",
+    "inplace",
+    "inplace",
+    "random",
+    "reduce",
+    "factory",
+    "no_grad",
+    "custom",
+    "cast",
+    "cat",
+    "item",
+    "clone",
+]
 
 
 # --------------------------------------------------------------------------
@@ -700,8 +779,10 @@ class BitsPolicy:
     def __init__(self, bits, flavour):
         self.bits = bits
         self.save, self.recompute = (
-            (P.MUST_SAVE, P.PREFER_RECOMPUTE) if flavour == "torch_sac"
-            else (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE))
+            (P.MUST_SAVE, P.PREFER_RECOMPUTE)
+            if flavour == "torch_sac"
+            else (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE)
+        )
         self.calls = 0
         self.recompute_pass = None
         self.recompute_calls = 0
@@ -719,7 +800,7 @@ class BitsPolicy:
         self.calls += 1
         if i < len(self.bits) and self.bits[i]:
             out = getattr(ctx, "op_output", None)
-            for t in (out if isinstance(out, (list, tuple)) else [out]):
+            for t in out if isinstance(out, (list, tuple)) else [out]:
                 if isinstance(t, torch.Tensor):
                     self.saved_storages.add(t.untyped_storage().data_ptr())
             return self.save
@@ -763,7 +844,13 @@ LOSS_SEED = 7
 class Run:
     def __init__(self, loss, outputs, grads, consts, rng, stats):
         self.stats = stats
-        self.loss, self.outputs, self.grads, self.consts, self.rng = loss, outputs, grads, consts, rng
+        self.loss, self.outputs, self.grads, self.consts, self.rng = (
+            loss,
+            outputs,
+            grads,
+            consts,
+            rng,
+        )
 
 
 def interceptor_clean():
@@ -785,8 +872,9 @@ def make_inputs(prog):
     return vals
 
 
-def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=None,
-                replay_budget=None):
+def run_program(
+    prog, engine, spec=None, layout=("one",), twice=False, policies=None, replay_budget=None
+):
     """One forward+backward (two with ``twice``: retain_graph, grads
     accumulate). engine: plain, region, checkpoint, dropin, torch (PyTorch's
     own SAC with the same policy). ``layout`` places the region engine's
@@ -805,8 +893,9 @@ def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=
             return contextlib.nullcontext()
         # The program enters it right away: outermost when no region is open.
         outermost = not torch_sac.region._stack()
-        ctx = torch_sac.sac_context(new_policy(),
-                                    replay_budget=replay_budget if outermost else None)
+        ctx = torch_sac.sac_context(
+            new_policy(), replay_budget=replay_budget if outermost else None
+        )
         contexts.append(ctx)
         return ctx
 
@@ -831,8 +920,7 @@ def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=
             else:
                 outs = fn(*args)
         elif engine == "checkpoint":
-            outs = torch_sac.checkpoint(fn, *args, policy=new_policy(),
-                                        replay_budget=replay_budget)
+            outs = torch_sac.checkpoint(fn, *args, policy=new_policy(), replay_budget=replay_budget)
         elif engine == "dropin":
             policy = new_policy()
 
@@ -844,7 +932,9 @@ def run_program(prog, engine, spec=None, layout=("one",), twice=False, policies=
             outs = tc.checkpoint(fn, *args, use_reentrant=False, context_fn=ctx_fn)
         elif engine == "torch":
             # PyTorch's SAC only understands CheckpointPolicy values.
-            policy = BitsPolicy(spec.bits, "torch") if spec.kind == "bits" else new_policy().to_torch()
+            policy = (
+                BitsPolicy(spec.bits, "torch") if spec.kind == "bits" else new_policy().to_torch()
+            )
             policies.append(policy)
             pol = policy
             ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, pol)
@@ -887,7 +977,7 @@ def bitwise_equal(a, b):
         return False
     if torch.equal(a, b):
         return True
-    if a.is_floating_point():   # NaNs from identical computations: compare bits
+    if a.is_floating_point():  # NaNs from identical computations: compare bits
         ity = {torch.float64: torch.int64, torch.float32: torch.int32}[a.dtype]
         return torch.equal(a.contiguous().view(ity), b.contiguous().view(ity))
     return False
@@ -900,8 +990,10 @@ def differences(run, ref):
     def cmp(a, b, what):
         if not bitwise_equal(a, b):
             if a is None or b is None or a.shape != b.shape:
-                diffs[what] = (f"{what}: {None if a is None else tuple(a.shape)} vs "
-                               f"{None if b is None else tuple(b.shape)}")
+                diffs[what] = (
+                    f"{what}: {None if a is None else tuple(a.shape)} vs "
+                    f"{None if b is None else tuple(b.shape)}"
+                )
             else:
                 d = (a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max().item()
                 diffs[what] = f"{what}: max abs diff {d:.3g}"
@@ -948,8 +1040,10 @@ def _region_error_documented(err, prog, spec, policies, layout):
 
 
 def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget=None):
-    note(f"engine={engine} adapter={torch_sac.adapter()} policy={spec!r} "
-         f"layout={layout} twice={twice} replay_budget={replay_budget}")
+    note(
+        f"engine={engine} adapter={torch_sac.adapter()} policy={spec!r} "
+        f"layout={layout} twice={twice} replay_budget={replay_budget}"
+    )
     if layout[0] != "one":
         note("program as run by the region engine:\n" + prog.body(layout))
     try:
@@ -964,14 +1058,20 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
         ours = run_program(prog, engine, spec, layout, twice, policies, replay_budget)
     except Exception as e:  # noqa: BLE001
         if engine in ("region", "checkpoint"):
-            if isinstance(e, RuntimeError) and _region_error_documented(e, prog, spec, policies, layout):
+            if isinstance(e, RuntimeError) and _region_error_documented(
+                e, prog, spec, policies, layout
+            ):
                 event(f"{engine}: documented mutation error")
                 return
-            raise AssertionError(f"{engine} raised where plain autograd did not:\n"
-                                 f"{type(e).__name__}: {e}") from e
+            raise AssertionError(
+                f"{engine} raised where plain autograd did not:\n{type(e).__name__}: {e}"
+            ) from e
         # dropin: must raise exactly when PyTorch's SAC does.
-        if (isinstance(e, RuntimeError) and _DROPIN_OUTSIDE_MUTATED in str(e)
-                and prog.input_write_after_read()):
+        if (
+            isinstance(e, RuntimeError)
+            and _DROPIN_OUTSIDE_MUTATED in str(e)
+            and prog.input_write_after_read()
+        ):
             event("dropin: documented outside-mutation error")
             return
         try:
@@ -980,8 +1080,12 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
             event("dropin: raises, as PyTorch's SAC does")
             note(f"torch SAC raised: {te}")
             return
-        if (twice and _compat.TORCH_RELEASE < (2, 13) and isinstance(e, RuntimeError)
-                and _EXTRA_BACKWARD in str(e)):
+        if (
+            twice
+            and _compat.TORCH_RELEASE < (2, 13)
+            and isinstance(e, RuntimeError)
+            and _EXTRA_BACKWARD in str(e)
+        ):
             # PyTorch <= 2.12 keeps SAC's cache as one queue per op: a second
             # backward through a region takes the entries the first,
             # early-stopped recompute left (queued for later calls of the op,
@@ -991,7 +1095,9 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
             event("dropin: raises on a second backward, as PyTorch >= 2.13's SAC does")
             check_engine(prog, spec, engine, layout, twice=False)
             return
-        raise AssertionError(f"dropin raised where PyTorch's SAC did not:\n{type(e).__name__}: {e}") from e
+        raise AssertionError(
+            f"dropin raised where PyTorch's SAC did not:\n{type(e).__name__}: {e}"
+        ) from e
     replayed = ours.stats.get("replayed_ops", ours.stats.get("recomputed_ops"))
     if replayed is not None:
         event(f"{engine}: {'no' if replayed == 0 else 'some'} ops replayed/recomputed")
@@ -1003,24 +1109,28 @@ def check_engine(prog, spec, engine, layout=("one",), twice=False, replay_budget
         try:
             theirs = run_program(prog, "torch", spec, twice=twice)
         except Exception as te:  # noqa: BLE001
-            raise AssertionError(f"dropin differs from plain ({list(diffs.values())}) "
-                                 f"and PyTorch's SAC raises: {te}") from te
+            raise AssertionError(
+                f"dropin differs from plain ({list(diffs.values())}) and PyTorch's SAC raises: {te}"
+            ) from te
         # Each item equal to plain autograd's or to PyTorch's SAC's (the
         # drop-in keeps some of PyTorch's holes and closes others).
         vs_torch = differences(ours, theirs)
         if not set(diffs) & set(vs_torch):
             event("dropin: differs from plain only where PyTorch's SAC does too")
             return
-        raise AssertionError(f"dropin differs from plain: {list(diffs.values())}; "
-                             f"from PyTorch's SAC: {list(vs_torch.values())}")
+        raise AssertionError(
+            f"dropin differs from plain: {list(diffs.values())}; "
+            f"from PyTorch's SAC: {list(vs_torch.values())}"
+        )
     raise AssertionError(f"{engine} differs from plain autograd: {list(diffs.values())}")
 
 
 # No budget, none at all (every rebuilt tensor is rebuilt again at its next
 # unpack), budgets holding a few of the fuzzer's tensors, and budgets that
 # also count the outputs the policy kept (a peak plan's).
-REPLAY_BUDGETS = st.sampled_from([None, 0, 200, 1000, torch_sac.ReplayBudget(200, True),
-                                  torch_sac.ReplayBudget(1000, True)])
+REPLAY_BUDGETS = st.sampled_from(
+    [None, 0, 200, 1000, torch_sac.ReplayBudget(200, True), torch_sac.ReplayBudget(1000, True)]
+)
 
 LAYOUTS = st.one_of(
     st.just(("one",)),
@@ -1031,11 +1141,16 @@ LAYOUTS = st.one_of(
 
 @pytest.mark.parametrize("engine", ENGINES)
 @PROFILE
-@given(prog=programs(), spec=policy_specs(), layout=LAYOUTS, twice=st.booleans(),
-       replay_budget=REPLAY_BUDGETS)
+@given(
+    prog=programs(),
+    spec=policy_specs(),
+    layout=LAYOUTS,
+    twice=st.booleans(),
+    replay_budget=REPLAY_BUDGETS,
+)
 def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice, replay_budget):
     if engine != "region":
-        layout = ("one",)   # regions placed inside the program: region engine only
+        layout = ("one",)  # regions placed inside the program: region engine only
     if engine == "dropin":
         # torch.utils.checkpoint restores only the default generators' state
         # for recompute (PyTorch does the same): ops drawing from an explicit
@@ -1044,8 +1159,14 @@ def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice, r
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        check_engine(prog, spec, engine, layout, twice,
-                     replay_budget if engine in ("region", "checkpoint") else None)
+        check_engine(
+            prog,
+            spec,
+            engine,
+            layout,
+            twice,
+            replay_budget if engine in ("region", "checkpoint") else None,
+        )
     finally:
         torch.set_num_threads(before)
     interceptor_clean()
@@ -1062,14 +1183,20 @@ def test_regression_region_outside_write_after_read(engine):
     op in the region wrote to it: the replay raised "a tensor from outside
     the sac_context region, which was modified in place" where plain
     autograd works."""
+
     def f(a, x):
-        b = a + x            # dropped; its replay reads `a`
-        a.add_(1.0)          # recorded in-place write to a tensor from outside the region
+        b = a + x  # dropped; its replay reads `a`
+        a.add_(1.0)  # recorded in-place write to a tensor from outside the region
         return torch.sin(b)  # sin saves b
 
     def run(region):
-        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
-                        requires_grad=True)
+        x = torch.randn(
+            4,
+            4,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(0),
+            requires_grad=True,
+        )
         a = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         if not region:
             out = f(a, x)
@@ -1092,13 +1219,19 @@ def test_regression_region_outside_write_after_read(engine):
 def test_regression_region_mul_inplace_on_outside_tensor():
     """The same bug through autograd's clone of the original ``self`` before
     ``x.mul_(w)`` on a tensor from outside the region."""
+
     def run(region):
         x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
-                        requires_grad=True)
+        w = torch.randn(
+            4,
+            4,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(0),
+            requires_grad=True,
+        )
         policy = torch_sac.policies.recompute_all()
         with torch_sac.sac_context(policy) if region else contextlib.nullcontext():
-            y = x.mul_(w)    # autograd clones x (for w's grad) before writing it
+            y = x.mul_(w)  # autograd clones x (for w's grad) before writing it
         y.sum().backward()
         return w.grad
 
@@ -1114,25 +1247,34 @@ def test_regression_dropin_cached_random_op_then_invalidated_dropout():
     recompute (drawing nothing) while dropout's buffer, cached then written
     by bernoulli_, was recomputed: a different mask, silently wrong
     gradients (PyTorch's SAC raises here)."""
+
     def f(x):
-        x * torch.rand_like(x)                    # random op, cached by save_all (unused)
+        x * torch.rand_like(x)  # random op, cached by save_all (unused)
         return F.dropout(x, 0.25, training=True)  # empty_like (cached), then bernoulli_ writes it
 
     def run(ctx_fn):
-        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
-                        requires_grad=True)
+        x = torch.randn(
+            4,
+            4,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(0),
+            requires_grad=True,
+        )
         torch.manual_seed(0)
-        out = f(x) if ctx_fn is None else tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn)
+        out = (
+            f(x) if ctx_fn is None else tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn)
+        )
         out.sum().backward()
         return x.grad
 
     ref = run(None)
-    ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts,
-                               torch_sac.policies.save_all())
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_all()
+    )
     try:
         grad = run(ctx_fn)
     except RuntimeError:
-        return   # raising, as PyTorch's SAC does, is fine
+        return  # raising, as PyTorch's SAC does, is fine
     finally:
         interceptor_clean()
     assert torch.equal(grad, ref)

@@ -40,14 +40,15 @@ import torch_sac
 transformers.logging.set_verbosity_error()
 
 BATCH, SEQ, VOCAB = 2, 12, 100
-MODEL_SEED = 1234   # weights
-INPUT_SEED = 99     # token ids / labels (private generator)
-RUN_SEED = 0        # global RNG before forward (dropout masks)
+MODEL_SEED = 1234  # weights
+INPUT_SEED = 99  # token ids / labels (private generator)
+RUN_SEED = 0  # global RNG before forward (dropout masks)
 
 
 # --------------------------------------------------------------------------
 # Models: (model, batch kwargs, checkpointed layers)
 # --------------------------------------------------------------------------
+
 
 def _tokens(shape, g, low=2):
     return torch.randint(low, VOCAB, shape, generator=g)
@@ -62,8 +63,15 @@ def _padding_mask():
 
 def build_gpt2(attn="sdpa"):
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, use_cache=False,
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        attn_pdrop=0.1,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        use_cache=False,
         attn_implementation=attn,
     )
     model = transformers.GPT2LMHeadModel(cfg)
@@ -75,9 +83,15 @@ def build_gpt2(attn="sdpa"):
 
 def build_llama():
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(INPUT_SEED)
@@ -88,9 +102,19 @@ def build_llama():
 
 def build_t5(attn="sdpa"):
     cfg = transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0, use_cache=False,
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.1,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
         attn_implementation=attn,
     )
     model = transformers.T5ForConditionalGeneration(cfg)
@@ -105,9 +129,15 @@ def build_t5(attn="sdpa"):
 
 def build_bert():
     cfg = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32,
-        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        attn_implementation="sdpa",
     )
     model = transformers.BertForMaskedLM(cfg)
     g = torch.Generator().manual_seed(INPUT_SEED)
@@ -142,6 +172,7 @@ ENGINES = ("region", "checkpoint", "contexts")
 # Checkpointing a layer's forward
 # --------------------------------------------------------------------------
 
+
 class Checkpointing:
     """Wraps layer forwards with one engine; counts the wrapped calls and
     keeps the torch_sac contexts (to check that something was recomputed)."""
@@ -173,7 +204,9 @@ class Checkpointing:
             if engine == "contexts":
                 # Same as context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts,
                 # policy), recording the contexts.
-                return tc.checkpoint(forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+                return tc.checkpoint(
+                    forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs
+                )
             raise AssertionError(engine)
 
         return wrapped
@@ -193,6 +226,7 @@ class Checkpointing:
 # One training step
 # --------------------------------------------------------------------------
 
+
 class Step:
     def __init__(self, loss, grads, rng_after):
         self.loss = loss
@@ -203,7 +237,9 @@ class Step:
 def run_step(model_name, engine=None, policy_name=None):
     torch.manual_seed(MODEL_SEED)
     model, batch, layers = MODELS[model_name]()
-    assert model.config._attn_implementation == ("eager" if model_name.endswith("_eager") else "sdpa")
+    assert model.config._attn_implementation == (
+        "eager" if model_name.endswith("_eager") else "sdpa"
+    )
     model.train()
     ckpt = None
     if engine is not None:
@@ -212,10 +248,14 @@ def run_step(model_name, engine=None, policy_name=None):
     torch.manual_seed(RUN_SEED)
     loss = model(**batch).loss
     if ckpt is not None:
-        assert ckpt.calls == len(layers), f"{ckpt.calls} checkpointed layer calls, expected {len(layers)}"
+        assert ckpt.calls == len(layers), (
+            f"{ckpt.calls} checkpointed layer calls, expected {len(layers)}"
+        )
     loss.backward()
     if ckpt is not None and engine != "checkpoint":
-        assert ckpt.recomputed_ops() > 0, "backward recomputed nothing: the layers were not checkpointed"
+        assert ckpt.recomputed_ops() > 0, (
+            "backward recomputed nothing: the layers were not checkpointed"
+        )
     grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
     return Step(loss.detach().clone(), grads, torch.get_rng_state())
 
@@ -246,9 +286,13 @@ def assert_step_equal(step, ref, label):
                 bad.append(f"{name}: grad is None in {'run' if g is None else 'reference'} only")
             continue
         if not torch.equal(g, g_ref):
-            bad.append(f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})")
+            bad.append(
+                f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})"
+            )
     assert not bad, f"{label}: {len(bad)}/{len(ref.grads)} gradients differ:\n  " + "\n  ".join(bad)
-    assert torch.equal(step.rng_after, ref.rng_after), f"{label}: global RNG state differs after the step"
+    assert torch.equal(step.rng_after, ref.rng_after), (
+        f"{label}: global RNG state differs after the step"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -263,6 +307,7 @@ def one_thread():
 # --------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_reference_is_deterministic(model_name):
@@ -284,8 +329,13 @@ def _cases():
             for policy_name in POLICIES:
                 reason = KNOWN_FAILURES.get((model_name, engine, policy_name))
                 marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                yield pytest.param(model_name, engine, policy_name, marks=marks,
-                                   id=f"{model_name}-{engine}-{policy_name}")
+                yield pytest.param(
+                    model_name,
+                    engine,
+                    policy_name,
+                    marks=marks,
+                    id=f"{model_name}-{engine}-{policy_name}",
+                )
 
 
 @pytest.mark.parametrize("model_name,engine,policy_name", list(_cases()))

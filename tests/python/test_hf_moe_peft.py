@@ -37,7 +37,6 @@ What is covered:
 
 import collections
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -54,12 +53,14 @@ peft = pytest.importorskip("peft")
 transformers.logging.set_verbosity_error()
 
 # peft asks transformers' deprecated is_gradient_checkpointing.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
 
 BATCH, SEQ, VOCAB = 2, 12, 100
-MODEL_SEED = 1234   # weights
-INPUT_SEED = 99     # token ids (private generator)
-RUN_SEED = 0        # global RNG before forward (dropout masks)
+MODEL_SEED = 1234  # weights
+INPUT_SEED = 99  # token ids (private generator)
+RUN_SEED = 0  # global RNG before forward (dropout masks)
 
 GROUPED_MM = "aten::_grouped_mm.default"
 
@@ -83,14 +84,20 @@ def _tokens(shape=(BATCH, SEQ), seed=INPUT_SEED):
 # --------------------------------------------------------------------------
 
 _DECODER = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
 )
 
 
 def build_qwen3_moe():
     cfg = transformers.Qwen3MoeConfig(
-        moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, **_DECODER)
+        moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, **_DECODER
+    )
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
@@ -105,7 +112,9 @@ def build_mixtral():
 
 
 def build_gpt_oss():
-    cfg = transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=8, **_DECODER)
+    cfg = transformers.GptOssConfig(
+        num_local_experts=4, num_experts_per_tok=2, head_dim=8, **_DECODER
+    )
     return transformers.GptOssForCausalLM(cfg)
 
 
@@ -123,8 +132,13 @@ GROUPED_OUTPUT_WRITTEN_IN_PLACE = {"gpt_oss"}
 
 def build_llama():
     cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
         attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(cfg)
@@ -132,16 +146,28 @@ def build_llama():
 
 def build_gpt2():
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        attn_pdrop=0.1,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_implementation="sdpa",
     )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def build_mamba():
     cfg = transformers.MambaConfig(
-        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-        conv_kernel=4, time_step_rank=4,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=4,
     )
     return transformers.MambaForCausalLM(cfg)
 
@@ -156,8 +182,9 @@ LORA_TARGETS = {
 def build_lora(base_name):
     build, targets, fan_in_fan_out = LORA_TARGETS[base_name]
     model = build()
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1,
-                          fan_in_fan_out=fan_in_fan_out)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1, fan_in_fan_out=fan_in_fan_out
+    )
     return peft.get_peft_model(model, cfg)
 
 
@@ -172,8 +199,8 @@ class Step:
     def __init__(self, loss, grads, handle=None, region=None, rng_after=None):
         self.loss = loss
         self.grads = grads
-        self.handle = handle      # apply_sac's handle (region / dropin)
-        self.region = region      # the sac_context (whole_region)
+        self.handle = handle  # apply_sac's handle (region / dropin)
+        self.region = region  # the sac_context (whole_region)
         self.rng_after = rng_after
 
 
@@ -206,7 +233,8 @@ def _diff(a, b):
 
 def assert_step_equal(step, ref, label):
     assert torch.equal(step.loss, ref.loss), (
-        f"{label}: loss {step.loss.item()!r} vs {ref.loss.item()!r} (diff {_diff(step.loss, ref.loss):.3g})")
+        f"{label}: loss {step.loss.item()!r} vs {ref.loss.item()!r} (diff {_diff(step.loss, ref.loss):.3g})"
+    )
     assert step.grads.keys() == ref.grads.keys()
     bad = []
     for name, g_ref in ref.grads.items():
@@ -216,10 +244,14 @@ def assert_step_equal(step, ref, label):
                 bad.append(f"{name}: grad is None in {'run' if g is None else 'reference'} only")
             continue
         if not torch.equal(g, g_ref):
-            bad.append(f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})")
+            bad.append(
+                f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})"
+            )
     assert not bad, f"{label}: {len(bad)}/{len(ref.grads)} gradients differ:\n  " + "\n  ".join(bad)
     if ref.rng_after is not None and step.rng_after is not None:
-        assert torch.equal(step.rng_after, ref.rng_after), f"{label}: global RNG state differs after the step"
+        assert torch.equal(step.rng_after, ref.rng_after), (
+            f"{label}: global RNG state differs after the step"
+        )
 
 
 _REFERENCE = {}
@@ -263,10 +295,13 @@ def op_row(rows, op):
 # 1. MoE: grouped matmuls saved, gradients exact
 # --------------------------------------------------------------------------
 
+
 def test_matmul_ops_include_grouped_mm():
     ops = getattr(torch_sac.policies, "MATMUL_OPS", None)
     if ops is None:
-        pytest.skip("torch_sac.policies.MATMUL_OPS is not there (yet): cannot check it lists aten::_grouped_mm")
+        pytest.skip(
+            "torch_sac.policies.MATMUL_OPS is not there (yet): cannot check it lists aten::_grouped_mm"
+        )
     assert "aten::_grouped_mm" in ops, f"aten::_grouped_mm missing from MATMUL_OPS {ops}"
     assert "aten::_scaled_grouped_mm" in ops
 
@@ -278,7 +313,8 @@ def test_moe_experts_run_grouped_mm(model_name):
     counts = forward_op_counts(MOE_MODELS[model_name])
     assert counts[GROUPED_MM] > 0, (
         f"{model_name}: no {GROUPED_MM} in forward; matmul-like ops seen: "
-        f"{ {k: v for k, v in counts.items() if 'mm' in k} }")
+        f"{ {k: v for k, v in counts.items() if 'mm' in k} }"
+    )
 
 
 @pytest.mark.parametrize("model_name", list(MOE_MODELS))
@@ -304,12 +340,16 @@ def test_moe_save_matmuls_exact(model_name, engine):
         assert sorted(per_scope) == ["model.layers.0", "model.layers.1"], per_scope.keys()
         total = step.handle.stats()["total"]
         replayed = total["replayed_ops" if engine == "region" else "recomputed_ops"]
-    assert replayed > 0, f"{model_name}/{engine}: backward recomputed nothing: nothing was checkpointed"
+    assert replayed > 0, (
+        f"{model_name}/{engine}: backward recomputed nothing: nothing was checkpointed"
+    )
 
     saved = dropped = 0
     for scope, rows in per_scope.items():
         row = op_row(rows, GROUPED_MM)
-        assert row is not None, f"{model_name}/{engine}: no {GROUPED_MM} row for {scope}: {[r['op'] for r in rows]}"
+        assert row is not None, (
+            f"{model_name}/{engine}: no {GROUPED_MM} row for {scope}: {[r['op'] for r in rows]}"
+        )
         saved += row["saved"]
         dropped += row["dropped"]
         if engine == "dropin" and model_name in GROUPED_OUTPUT_WRITTEN_IN_PLACE:
@@ -319,10 +359,14 @@ def test_moe_save_matmuls_exact(model_name, engine):
             assert row["replayed"] == row["dropped"], (scope, row)
         else:
             assert row["saved"] > 0 and row["dropped"] == 0, (
-                f"{model_name}/{engine}: {scope}: save_matmuls did not save every grouped matmul: {row}")
-            assert row["replayed"] == 0, f"{model_name}/{engine}: {scope}: saved grouped matmuls replayed: {row}"
+                f"{model_name}/{engine}: {scope}: save_matmuls did not save every grouped matmul: {row}"
+            )
+            assert row["replayed"] == 0, (
+                f"{model_name}/{engine}: {scope}: saved grouped matmuls replayed: {row}"
+            )
     assert saved + dropped == n_grouped, (
-        f"{model_name}/{engine}: {saved} saved + {dropped} dropped grouped matmuls, forward ran {n_grouped}")
+        f"{model_name}/{engine}: {saved} saved + {dropped} dropped grouped matmuls, forward ran {n_grouped}"
+    )
     if engine == "dropin" and model_name in GROUPED_OUTPUT_WRITTEN_IN_PLACE:
         assert step.handle.stats()["total"]["invalidated_ops"] >= dropped
 
@@ -335,12 +379,16 @@ def test_moe_recompute_all_exact(engine):
     assert_step_equal(step, reference("qwen3_moe", build), f"qwen3_moe/{engine}/recompute_all")
     for scope, rows in step.handle.op_details().items():
         row = op_row(rows, GROUPED_MM)
-        assert row["saved"] == 0 and row["dropped"] > 0 and row["replayed"] == row["dropped"], (scope, row)
+        assert row["saved"] == 0 and row["dropped"] > 0 and row["replayed"] == row["dropped"], (
+            scope,
+            row,
+        )
 
 
 # --------------------------------------------------------------------------
 # 2. PEFT LoRA
 # --------------------------------------------------------------------------
+
 
 def _lora_build(base_name):
     return lambda: build_lora(base_name)
@@ -375,6 +423,7 @@ def test_lora_exact(base_name, engine):
 # 3. use_cache=True in training
 # --------------------------------------------------------------------------
 
+
 def test_use_cache_dropin_refuses_with_fix():
     """Forward fills the KV cache; backward's recompute re-runs each layer,
     which appends to it again: the drop-in refuses in backward."""
@@ -389,7 +438,9 @@ def test_use_cache_dropin_refuses_with_fix():
     with pytest.raises(RuntimeError) as info:
         out.loss.backward()
     msg = str(info.value)
-    assert "use_cache=False" in msg, f"the drop-in's error does not name the fix use_cache=False: {msg!r}"
+    assert "use_cache=False" in msg, (
+        f"the drop-in's error does not name the fix use_cache=False: {msg!r}"
+    )
     assert "region" in msg, f"the drop-in's error does not name the region engine: {msg!r}"
     assert "cache" in msg.replace("use_cache", ""), msg
 
@@ -399,7 +450,9 @@ def test_use_cache_dropin_refusal_leaves_no_state():
     with pytest.raises(RuntimeError):
         run_step(build_llama, "dropin", use_cache=True)
     ref = reference("llama", build_llama)
-    assert_step_equal(run_step(build_llama, "dropin"), ref, "llama/dropin after a refused use_cache run")
+    assert_step_equal(
+        run_step(build_llama, "dropin"), ref, "llama/dropin after a refused use_cache run"
+    )
     assert not torch_sac.region.in_region(), "a region is still open after the refused backward"
 
 
@@ -412,7 +465,9 @@ def test_use_cache_region_exact(engine):
 
 def test_mamba_use_cache_region_exact():
     ref = reference("mamba_cache", build_mamba, use_cache=True)
-    assert_step_equal(run_step(build_mamba, "region", use_cache=True), ref, "mamba/region/use_cache=True")
+    assert_step_equal(
+        run_step(build_mamba, "region", use_cache=True), ref, "mamba/region/use_cache=True"
+    )
 
 
 @pytest.mark.parametrize("engine", ("region", "dropin"))
@@ -447,6 +502,7 @@ def test_mamba_use_cache_dropin_names_use_cache():
 # --------------------------------------------------------------------------
 # 4. DPO-like step
 # --------------------------------------------------------------------------
+
 
 def _seq_logp(model, ids):
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1]

@@ -89,6 +89,7 @@ OUT_BYTES = BATCH * 16 * F32
 # Install and stats
 # --------------------------------------------------------------------------
 
+
 def test_install_is_idempotent():
     before = memory.cpu_memory_stats()
     memory.install_counting_allocator()
@@ -160,6 +161,7 @@ def test_concurrent_threads_sum_exactly():
 # --------------------------------------------------------------------------
 # track()
 # --------------------------------------------------------------------------
+
 
 def test_track_delta_and_peak_of_a_block():
     with track("cpu") as m:
@@ -241,6 +243,7 @@ def test_cuda_without_cuda_raises(device):
 # Autograd: what forward keeps is what autograd saved
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["relu", "relu_inplace"])
 def test_forward_delta_is_saved_tensors_plus_output(inplace):
     model = mlp(inplace)
@@ -296,11 +299,13 @@ def test_checkpoint_keeps_only_what_the_policy_saves(flavour):
     x = torch.randn(BATCH, 32)
     if flavour == "torch_sac":
         make = functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_ops([torch.ops.aten.addmm])
+            torch_sac.create_selective_checkpoint_contexts,
+            torch_sac.policies.save_ops([torch.ops.aten.addmm]),
         )
     else:
         make = functools.partial(
-            torch.utils.checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default]
+            torch.utils.checkpoint.create_selective_checkpoint_contexts,
+            [torch.ops.aten.addmm.default],
         )
     contexts = []
 
@@ -309,7 +314,9 @@ def test_checkpoint_keeps_only_what_the_policy_saves(flavour):
         return contexts[-1]
 
     with track() as m:
-        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False, context_fn=context_fn)
+        out = torch.utils.checkpoint.checkpoint(
+            model, x, use_reentrant=False, context_fn=context_fn
+        )
     # The three addmm outputs are cached (the last one is `out` itself); the
     # ReLU outputs autograd would have kept are dropped. checkpoint() also
     # stashes the CPU RNG state (a 5056-byte tensor) to replay it.
@@ -331,6 +338,7 @@ def test_checkpoint_keeps_only_what_the_policy_saves(flavour):
 # --------------------------------------------------------------------------
 # No leaks over many training steps
 # --------------------------------------------------------------------------
+
 
 @pytest.fixture
 def one_intra_op_thread():
@@ -374,6 +382,7 @@ def test_no_growth_over_200_training_steps(model_name, checkpointed):
 # --------------------------------------------------------------------------
 # torch features that treat DataPtrs specially keep working and counting
 # --------------------------------------------------------------------------
+
 
 def test_lazy_clone_and_materialization():
     a = torch.arange(1000, dtype=torch.float32)
@@ -421,6 +430,7 @@ def test_python_storage_constructors_bypass_the_allocator():
 # --------------------------------------------------------------------------
 # CUDA, through a fake torch.cuda (no GPU here)
 # --------------------------------------------------------------------------
+
 
 class FakeCuda:
     """The four torch.cuda statistics functions track() uses, on fake devices."""

@@ -125,6 +125,7 @@ def fmt(seq):
 # Tests
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_gradients_match_plain_and_torch_sac(model_name, case, reference_results):
     ref = reference_results(model_name)
@@ -160,7 +161,9 @@ def test_policy_sees_same_ops_as_torch_sac(model_name, case, reference_results):
     for p in policies:
         assert p.recompute_calls == 0, "policy called with ctx.is_recompute=True"
         assert p.missing_output == 0, "policy called without ctx.op_output"
-        assert not [op for op in p.ops if op in torch_sac.IGNORED_OPS], "ignored op passed to policy"
+        assert not [op for op in p.ops if op in torch_sac.IGNORED_OPS], (
+            "ignored op passed to policy"
+        )
 
     seq_ours = []
     for p in policies:
@@ -191,7 +194,10 @@ def test_stats_match_torch_sac(model_name, case):
     assert stats["cache_hits"] + stats["recomputed_ops"] == theirs.cache_hits + theirs.recomputed
     assert stats["cache_hits"] <= stats["saved_ops"]
     if not any(mutates_args(op) for op, s in decisions if s):
-        assert (stats["cache_hits"], stats["recomputed_ops"]) == (theirs.cache_hits, theirs.recomputed)
+        assert (stats["cache_hits"], stats["recomputed_ops"]) == (
+            theirs.cache_hits,
+            theirs.recomputed,
+        )
     assert (stats["saved_bytes"] > 0) == (stats["saved_ops"] > 0)
 
 

@@ -78,7 +78,9 @@ def run_first_sweep_plan(forward, budget_bytes, layers):
     recompute-everything region, kept by forward. Leaves the plan's
     gradients in .grad."""
     replay_budget = torch_sac.ReplayBudget(budget_bytes, counts_saved=True)
-    with torch_sac.sac_context(torch_sac.policies.recompute_all(), replay_budget=replay_budget) as r:
+    with torch_sac.sac_context(
+        torch_sac.policies.recompute_all(), replay_budget=replay_budget
+    ) as r:
         out = forward()
     out.sum().backward()
     saved = _first_sweep(r.replay_schedule())
@@ -96,8 +98,10 @@ def run_first_sweep_plan(forward, budget_bytes, layers):
 def test_milp_oracle_agrees_with_the_chain_dp(length, slots):
     # Forward is the first sweep: the optimum with forward free is the
     # reversal's optimum minus one sweep (what the plan relies on).
-    assert min_recompute(chain_deps(length), list(range(length, 0, -1)), slots) == \
-        min_steps(length, slots) - length
+    assert (
+        min_recompute(chain_deps(length), list(range(length, 0, -1)), slots)
+        == min_steps(length, slots) - length
+    )
 
 
 @pytest.mark.parametrize("n", [8, 16, 32])
@@ -119,7 +123,9 @@ def test_first_sweep_plan_is_optimal_on_chains(n, slots):
 def test_first_sweep_plan_against_the_milp_on_chains(n, slots):
     layers, x, forward, size = tanh_chain(n, batch=32)
     region = run_first_sweep_plan(forward, slots * size, layers)
-    assert tanh_replays(region) == min_recompute(chain_deps(n - 1), list(range(n - 1, 0, -1)), slots)
+    assert tanh_replays(region) == min_recompute(
+        chain_deps(n - 1), list(range(n - 1, 0, -1)), slots
+    )
 
 
 # Graphs that are not chains: step i also reads x_j for j in reads(i, n).
@@ -134,11 +140,15 @@ SKIP_GRAPHS = {
 # and the "before last" skips are solved optimally; long U-Net-like skips
 # are not (cuts of mixed sizes; up to 3x): docs/design.md, "Peak plans".
 SKIP_GAPS = {
-    ("before_last", 8, 2): (9, 9), ("before_last", 10, 3): (8, 8),
+    ("before_last", 8, 2): (9, 9),
+    ("before_last", 10, 3): (8, 8),
     ("before_last", 10, 4): (5, 5),
-    ("every_third", 8, 3): (4, 4), ("every_third", 10, 3): (8, 7),
+    ("every_third", 8, 3): (4, 4),
+    ("every_third", 10, 3): (8, 7),
     ("every_third", 10, 4): (6, 5),
-    ("u_net", 8, 2): (8, 8), ("u_net", 8, 3): (10, 4), ("u_net", 10, 3): (9, 8),
+    ("u_net", 8, 2): (8, 8),
+    ("u_net", 8, 3): (10, 4),
+    ("u_net", 10, 3): (9, 8),
     ("u_net", 10, 4): (15, 5),
 }
 
@@ -185,8 +195,9 @@ def test_plan_fits_the_peak_and_is_bitwise(n, fraction):
 def test_a_larger_peak_never_recomputes_more():
     layers, x, forward, size = tanh_chain(16)
     _, plain_peak, _ = grads_of(forward, layers, x)
-    replays = [budget(forward, peak_bytes=int(plain_peak * f)).recomputed_ops
-               for f in (0.4, 0.6, 0.8)]
+    replays = [
+        budget(forward, peak_bytes=int(plain_peak * f)).recomputed_ops for f in (0.4, 0.6, 0.8)
+    ]
     assert replays == sorted(replays, reverse=True)
     assert replays[0] > replays[-1]
 
@@ -261,8 +272,12 @@ def test_save_and_load(tmp_path):
     assert_bitwise(got, want)
     assert region.stats()["replayed_ops"] == plan.recomputed_ops
     # The recorded schedule runs exactly too.
-    got, _, _ = grads_of(forward, layers, x, torch_sac.sac_context(
-        loaded.schedule.policy(), replay_schedule=loaded.schedule))
+    got, _, _ = grads_of(
+        forward,
+        layers,
+        x,
+        torch_sac.sac_context(loaded.schedule.policy(), replay_schedule=loaded.schedule),
+    )
     assert_bitwise(got, want)
     with pytest.raises(ValueError, match="peak_plan/1"):
         torch_sac.PeakPlan.from_dict({"format": "other"})
@@ -309,8 +324,9 @@ def test_budget_counting_saved_outputs_bounds_them_too():
     stats = {}
     for counts_saved in (False, True):
         policy = torch_sac.policies.every_nth(torch.ops.aten.addmm, n=4)
-        ctx = torch_sac.sac_context(policy,
-                                    replay_budget=torch_sac.ReplayBudget(6 * size, counts_saved))
+        ctx = torch_sac.sac_context(
+            policy, replay_budget=torch_sac.ReplayBudget(6 * size, counts_saved)
+        )
         got, _, region = grads_of(forward, layers, x, ctx)
         assert_bitwise(got, want)
         stats[counts_saved] = region.stats()
@@ -343,9 +359,12 @@ def test_checkpoint_share_changes_the_choice_not_the_gradients():
     replays = set()
     for share in (0.5, 1 / 8, 1 / 32):
         budget_ = torch_sac.ReplayBudget(6 * size, counts_saved=True, checkpoint_share=share)
-        got, _, region = grads_of(forward, layers, x,
-                                  torch_sac.sac_context(torch_sac.policies.recompute_all(),
-                                                        replay_budget=budget_))
+        got, _, region = grads_of(
+            forward,
+            layers,
+            x,
+            torch_sac.sac_context(torch_sac.policies.recompute_all(), replay_budget=budget_),
+        )
         assert_bitwise(got, want)
         assert region.stats()["peak_held_bytes"] <= 6 * size
         replays.add(region.stats()["replayed_ops"])

@@ -92,12 +92,14 @@ def tiny_gpt_step(seed=0):
 # The least peak
 # --------------------------------------------------------------------------
 
+
 def tiny_mamba():
     transformers = pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
-    config = transformers.MambaConfig(vocab_size=100, hidden_size=64, state_size=8,
-                                      num_hidden_layers=2)
+    config = transformers.MambaConfig(
+        vocab_size=100, hidden_size=64, state_size=8, num_hidden_layers=2
+    )
     model = transformers.MambaForCausalLM(config).train()
     ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(1))
 
@@ -112,8 +114,14 @@ def test_mamba_plans_below_recomputing_everything_and_refuses_only_below_a_measu
     leaves = list(model.parameters())
     want = grads(step, leaves)
     recompute_everything = _measure(
-        step, (), {}, "test", torch.device("cpu"), torch_sac.policies.recompute_all(),
-        torch_sac.ReplayBudget(0, counts_saved=True)).peak
+        step,
+        (),
+        {},
+        "test",
+        torch.device("cpu"),
+        torch_sac.policies.recompute_all(),
+        torch_sac.ReplayBudget(0, counts_saved=True),
+    ).peak
 
     counted_step, calls = counted(step)
     with pytest.raises(ValueError, match="below the least peak") as refused:
@@ -170,6 +178,7 @@ def test_the_least_peak_a_refusal_states_is_reached_by_planning_for_it(which):
 # Planning runs
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fraction", [0.05, 0.25, 0.4, 0.6, 0.9, 2.0])
 def test_planning_runs_on_a_transformer_step_are_bounded(fraction):
     _, step = tiny_gpt_step()
@@ -193,12 +202,16 @@ def test_planning_runs_on_a_transformer_step_are_bounded(fraction):
 # State planning leaves behind
 # --------------------------------------------------------------------------
 
+
 class BNNet(nn.Module):
     def __init__(self, width=32, depth=4):
         super().__init__()
-        self.blocks = nn.ModuleList([
-            nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh())
-            for _ in range(depth)])
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.Tanh())
+                for _ in range(depth)
+            ]
+        )
 
     def forward(self, h):
         for block in self.blocks:
@@ -217,8 +230,11 @@ class Hidden:
 
 
 def snapshot(model):
-    return (copy.deepcopy(model.state_dict()), torch.get_rng_state(),
-            [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()])
+    return (
+        copy.deepcopy(model.state_dict()),
+        torch.get_rng_state(),
+        [(p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()],
+    )
 
 
 def assert_as_before(model, before):

@@ -107,6 +107,7 @@ BUILDERS = {"gpt": build_gpt, "gpt_sdpa": build_gpt_sdpa, "named_gpt": build_nam
 # Recording what each region ran, and what was saved
 # --------------------------------------------------------------------------
 
+
 class _RecordingMode(TorchDispatchMode):
     """Records (op, call index, open Python scopes) for every op a policy
     would see, counting calls per op as SAC does."""
@@ -144,13 +145,17 @@ def torch_sac_run(builder, policy, allow=False):
 
     def context_fn():
         pair = torch_sac.create_selective_checkpoint_contexts(
-            policy, allow_cache_entry_mutation=allow)
+            policy, allow_cache_entry_mutation=allow
+        )
         pairs.append(pair)
         return pair
 
     result = run_model(builder, context_fn)
-    return (result, [set(fwd.saved_calls()) for fwd, _ in pairs],
-            [fwd.stats()["invalidated_ops"] for fwd, _ in pairs])
+    return (
+        result,
+        [set(fwd.saved_calls()) for fwd, _ in pairs],
+        [fwd.stats()["invalidated_ops"] for fwd, _ in pairs],
+    )
 
 
 def torch_run(builder, policy_fn, allow=False):
@@ -166,7 +171,8 @@ def torch_run(builder, policy_fn, allow=False):
 
     def context_fn():
         fwd, rec = tc.create_selective_checkpoint_contexts(
-            policy_fn, allow_cache_entry_mutation=allow)
+            policy_fn, allow_cache_entry_mutation=allow
+        )
         rec = ObservedRecompute(rec)
         observed.append(rec)
         return fwd, rec
@@ -181,16 +187,24 @@ def promised(regions, predicate):
     return [{(op, i) for op, i, s in calls if predicate(op, i, s)} for calls in regions]
 
 
-_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided",
-                "aten::empty_permuted", "aten::new_empty", "aten::new_empty_strided"}
+_ALLOCATIONS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::empty_permuted",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
 
 
 def saveable_in_scope(op):
     """save_by_name still recomputes random ops, ops writing to an argument
     (in-place, out=) and uninitialized allocations."""
-    return (torch.Tag.nondeterministic_seeded not in op.tags
-            and not op._schema.is_mutable
-            and op.name() not in _ALLOCATIONS)
+    return (
+        torch.Tag.nondeterministic_seeded not in op.tags
+        and not op._schema.is_mutable
+        and op.name() not in _ALLOCATIONS
+    )
 
 
 def in_scope(*names):
@@ -218,23 +232,48 @@ class Builtin:
 
 
 BUILTINS = [
-    Builtin("save_ops", lambda: policies.save_ops([aten.mm, aten.addmm]),
-            lambda op, i, s: op.name() in MM_PACKETS),
+    Builtin(
+        "save_ops",
+        lambda: policies.save_ops([aten.mm, aten.addmm]),
+        lambda op, i, s: op.name() in MM_PACKETS,
+    ),
     Builtin("recompute_all", policies.recompute_all, lambda op, i, s: False),
     Builtin("save_all", policies.save_all, lambda op, i, s: True, allow=True),
     Builtin("save_matmuls", policies.save_matmuls, lambda op, i, s: is_matmul_op(op)),
-    Builtin("save_matmuls_sdpa", policies.save_matmuls, lambda op, i, s: is_matmul_op(op),
-            builder="gpt_sdpa"),
-    Builtin("every_nth_addmm_2", lambda: policies.every_nth(aten.addmm, 2),
-            lambda op, i, s: op is aten.addmm.default and i % 2 == 0),
-    Builtin("every_nth_mm_bmm_3", lambda: policies.every_nth([aten.bmm, aten.mm.default], 3),
-            lambda op, i, s: op in (aten.bmm.default, aten.mm.default) and i % 3 == 0),
-    Builtin("save_by_name_attn_out", lambda: policies.save_by_name("attn_out"),
-            in_scope("attn_out"), builder="named_gpt"),
-    Builtin("save_by_name_enclosing", lambda: policies.save_by_name(["attn", "mlp_up"]),
-            in_scope("attn", "mlp_up"), builder="named_gpt"),
-    Builtin("save_by_name_inner", lambda: policies.save_by_name("attn_core"),
-            in_scope("attn_core"), builder="named_gpt"),
+    Builtin(
+        "save_matmuls_sdpa",
+        policies.save_matmuls,
+        lambda op, i, s: is_matmul_op(op),
+        builder="gpt_sdpa",
+    ),
+    Builtin(
+        "every_nth_addmm_2",
+        lambda: policies.every_nth(aten.addmm, 2),
+        lambda op, i, s: op is aten.addmm.default and i % 2 == 0,
+    ),
+    Builtin(
+        "every_nth_mm_bmm_3",
+        lambda: policies.every_nth([aten.bmm, aten.mm.default], 3),
+        lambda op, i, s: op in (aten.bmm.default, aten.mm.default) and i % 3 == 0,
+    ),
+    Builtin(
+        "save_by_name_attn_out",
+        lambda: policies.save_by_name("attn_out"),
+        in_scope("attn_out"),
+        builder="named_gpt",
+    ),
+    Builtin(
+        "save_by_name_enclosing",
+        lambda: policies.save_by_name(["attn", "mlp_up"]),
+        in_scope("attn", "mlp_up"),
+        builder="named_gpt",
+    ),
+    Builtin(
+        "save_by_name_inner",
+        lambda: policies.save_by_name("attn_core"),
+        in_scope("attn_core"),
+        builder="named_gpt",
+    ),
 ]
 BUILTIN_IDS = [b.name for b in BUILTINS]
 
@@ -259,6 +298,7 @@ def recorded(builder_name):
 # --------------------------------------------------------------------------
 # Each built-in saves what its name promises
 # --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", BUILTINS, ids=BUILTIN_IDS)
 def test_builtin_saves_what_its_name_promises(case):
@@ -326,6 +366,7 @@ def test_save_by_name_recomputes_random_ops_in_scope():
 # .to_torch(): the same choices under PyTorch's own SAC
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", BUILTINS, ids=BUILTIN_IDS)
 def test_to_torch_saves_the_same_calls_and_gradients(case):
     builder = BUILDERS[case.builder]
@@ -379,10 +420,13 @@ def test_every_nth_to_torch_counts_per_region_not_globally():
     with tc.set_checkpoint_early_stop(False):  # recompute runs every op (see torch_run)
         h = tc.checkpoint(mm_chain, x, w, use_reentrant=False, context_fn=context_fn)
         tc.checkpoint(mm_chain, h, w, use_reentrant=False, context_fn=context_fn).sum().backward()
-    assert [sorted(i for op, i in rec.hit_calls if op is aten.mm.default) for rec in observed] \
-        == [[0, 2], [0, 2]]
-    assert [sorted(i for op, i in rec.recomputed_calls if op is aten.mm.default) for rec in observed] \
-        == [[1], [1]]
+    assert [sorted(i for op, i in rec.hit_calls if op is aten.mm.default) for rec in observed] == [
+        [0, 2],
+        [0, 2],
+    ]
+    assert [
+        sorted(i for op, i in rec.recomputed_calls if op is aten.mm.default) for rec in observed
+    ] == [[1], [1]]
 
 
 def test_every_nth_to_torch_answers_recompute_as_forward():
@@ -395,8 +439,10 @@ def test_every_nth_to_torch_answers_recompute_as_forward():
     second backward, its storage being consumed; the answers up to there are
     what is checked.)"""
     if not torch_sac_asks_policy_in_recompute():
-        pytest.skip("this torch's SAC does not call policy_fn in recompute (as on torch 2.13): "
-                    "it looks forward's decisions up by call index")
+        pytest.skip(
+            "this torch's SAC does not call policy_fn in recompute (as on torch 2.13): "
+            "it looks forward's decisions up by call index"
+        )
     answers = {False: [], True: []}
     inner = policies.every_nth(aten.mm, 3).to_torch()
 
@@ -449,13 +495,15 @@ def test_to_torch_wrapped_in_a_user_policy_fn():
     _, saved = torch_run(build_gpt, user_policy)
     expected = promised(
         recorded("gpt"),
-        lambda op, i, s: op is aten.gelu.default or (op is aten.addmm.default and i % 2 == 0))
+        lambda op, i, s: op is aten.gelu.default or (op is aten.addmm.default and i % 2 == 0),
+    )
     assert fmt(saved) == fmt(expected)
 
 
 # --------------------------------------------------------------------------
 # Named scopes
 # --------------------------------------------------------------------------
+
 
 def mm_chain(x, w):
     """3 mm; the first inside scope 'a'."""
@@ -514,8 +562,9 @@ def test_name_as_decorator():
         pair[:] = torch_sac.create_selective_checkpoint_contexts(policies.save_by_name("decorated"))
         return tuple(pair)
 
-    tc.checkpoint(lambda x, w: f(x, w).sin(), x, w, use_reentrant=False,
-                  context_fn=context_fn).sum().backward()
+    tc.checkpoint(
+        lambda x, w: f(x, w).sin(), x, w, use_reentrant=False, context_fn=context_fn
+    ).sum().backward()
     assert pair[0].saved_calls() == [(aten.mm.default, 0)]
     assert torch_sac.scopes.active_names() == []
 
@@ -605,6 +654,7 @@ def test_save_by_name_calls_no_python_per_op():
 # torch.compile
 # --------------------------------------------------------------------------
 
+
 def _recording_backend():
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -619,8 +669,11 @@ def _recording_backend():
         graphs["bw"] = gm
         return gm
 
-    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                           partition_fn=min_cut_rematerialization_partition)
+    backend = aot_autograd(
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+    )
     return backend, graphs
 
 
@@ -665,7 +718,9 @@ def _via_torch_sac(policy):
     return functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
 
 
-@pytest.mark.parametrize("contexts", [_via_torch, _via_torch_sac], ids=["torch_to_torch", "torch_sac_dropin"])
+@pytest.mark.parametrize(
+    "contexts", [_via_torch, _via_torch_sac], ids=["torch_to_torch", "torch_sac_dropin"]
+)
 @pytest.mark.parametrize("name,make,expected", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
 def test_policy_under_compile_aot_eager(name, make, expected, contexts):
     """PyTorch's SAC with policy.to_torch(), and torch_sac's drop-in (which
@@ -692,10 +747,14 @@ def test_policy_under_compile_aot_eager(name, make, expected, contexts):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("policy", [
-    [aten.mm],
-    lambda ctx, op, *a, **k: torch_sac.Policy.MUST_SAVE if op is aten.mm.default else False,
-], ids=["packet_list", "callable_returning_torch_sac_policy"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        [aten.mm],
+        lambda ctx, op, *a, **k: torch_sac.Policy.MUST_SAVE if op is aten.mm.default else False,
+    ],
+    ids=["packet_list", "callable_returning_torch_sac_policy"],
+)
 def test_dropin_under_compile_accepts_lists_and_callables(policy):
     torch._dynamo.reset()
     f = two_regions(_via_torch_sac(policy))
@@ -719,7 +778,9 @@ def test_compiled_every_nth_matches_torch_sac_eager():
     x, w = small_inputs()
     h = tc.checkpoint(mm_chain, x, w, use_reentrant=False, context_fn=context_fn)
     tc.checkpoint(mm_chain, h, w, use_reentrant=False, context_fn=context_fn).sum().backward()
-    assert [fwd.saved_calls() for fwd, _ in pairs] == [[(aten.mm.default, 0), (aten.mm.default, 2)]] * 2
+    assert [fwd.saved_calls() for fwd, _ in pairs] == [
+        [(aten.mm.default, 0), (aten.mm.default, 2)]
+    ] * 2
 
 
 def test_to_torch_under_compile_inductor():
@@ -743,8 +804,9 @@ def test_name_under_compile_is_an_fx_annotation():
             return x.sin()
 
     def backend(gm, example_inputs):
-        seen["custom"] = [n.meta.get("custom") for n in gm.graph.nodes
-                          if n.op in ("call_function", "call_method")]
+        seen["custom"] = [
+            n.meta.get("custom") for n in gm.graph.nodes if n.op in ("call_function", "call_method")
+        ]
         return gm
 
     torch._dynamo.reset()
@@ -757,6 +819,7 @@ def test_name_under_compile_is_an_fx_annotation():
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [3, None, b"attn", ["attn"]], ids=["int", "None", "bytes", "list"])
 def test_name_rejects_non_str(bad):
@@ -816,9 +879,14 @@ def test_to_torch_without_call_index_works_when_called_directly():
 
 
 def test_to_torch_is_a_method_of_every_builtin():
-    for make in (lambda: policies.save_ops([aten.mm]), policies.recompute_all, policies.save_all,
-                 policies.save_matmuls, lambda: policies.every_nth(aten.mm, 2),
-                 lambda: policies.save_by_name("x")):
+    for make in (
+        lambda: policies.save_ops([aten.mm]),
+        policies.recompute_all,
+        policies.save_all,
+        policies.save_matmuls,
+        lambda: policies.every_nth(aten.mm, 2),
+        lambda: policies.save_by_name("x"),
+    ):
         policy = make()
         fn = policy.to_torch()
         assert callable(fn) and fn.policy is policy
@@ -853,8 +921,9 @@ def _matmul_like_ops_autograd_sees():
         if namespace != "aten" or "backward" in base or base.endswith("_"):
             continue
         words = base.strip("_").split("_")
-        if not any(w.endswith("mm") or w.startswith("conv") or w in ("attention", "attn")
-                   for w in words):
+        if not any(
+            w.endswith("mm") or w.startswith("conv") or w in ("attention", "attn") for w in words
+        ):
             continue
         overload = schema.name + ("." + schema.overload_name if schema.overload_name else "")
         if torch._C._dispatch_has_kernel_for_dispatch_key(overload, "CompositeImplicitAutograd"):
@@ -869,9 +938,14 @@ def test_save_matmuls_lists_every_matmul_of_the_installed_torch():
     missing = _matmul_like_ops_autograd_sees() - set(policies.MATMUL_OPS) - set(_NOT_MATMULS)
     assert not missing, f"save_matmuls() does not save {sorted(missing)}"
     assert not set(policies.MATMUL_OPS) & set(_NOT_MATMULS)
-    for name in ("aten::_grouped_mm", "aten::_scaled_mm", "aten::_scaled_grouped_mm",
-                 "aten::_scaled_dot_product_flash_attention_for_cpu",
-                 "aten::_scaled_dot_product_cudnn_attention", "flash_attn::_flash_attn_forward"):
+    for name in (
+        "aten::_grouped_mm",
+        "aten::_scaled_mm",
+        "aten::_scaled_grouped_mm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "flash_attn::_flash_attn_forward",
+    ):
         assert name in policies.MATMUL_OPS
 
 

@@ -14,7 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_sac
 from conftest import (
-    RUN_SEED, ContextRecorder, aten, assert_grads_equal, forward, loss_of, run_model, sac_context_fn,
+    RUN_SEED,
+    ContextRecorder,
+    aten,
+    assert_grads_equal,
+    forward,
+    loss_of,
+    run_model,
+    sac_context_fn,
 )
 from models import MODEL_BUILDERS, REGION_MODEL_BUILDERS, Stack
 from torch_sac.profiler import _OP_FIELDS, _REGION_FIELDS, plot_memory
@@ -77,6 +84,7 @@ def step(builder, policy=None, engine="region", *, timeline=True, contexts=None,
 # Totals against the allocator and the regions
 # --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
 def test_totals_agree_with_allocator_and_regions(policy_name):
     module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
@@ -111,9 +119,15 @@ def test_totals_agree_with_allocator_and_regions(policy_name):
     assert t["replayed_ops"] > 0 and t["replay_ns"] > 0 and t["record_ns"] > 0
     # Per-op rows sum to the totals.
     rows = prof.ops
-    for field, total in [("saved", "saved_ops"), ("dropped", "dropped_ops"), ("saved_bytes", "saved_bytes"),
-                         ("dropped_bytes", "dropped_bytes"), ("replayed", "replayed_ops"),
-                         ("replay_ns", "replay_ns"), ("replay_flops", "replay_flops")]:
+    for field, total in [
+        ("saved", "saved_ops"),
+        ("dropped", "dropped_ops"),
+        ("saved_bytes", "saved_bytes"),
+        ("dropped_bytes", "dropped_bytes"),
+        ("replayed", "replayed_ops"),
+        ("replay_ns", "replay_ns"),
+        ("replay_flops", "replay_flops"),
+    ]:
         assert sum(r[field] for r in rows) == t[total], field
     assert sum(r["forward_flops"] for r in rows) == t["region_forward_flops"]
     assert t["forward_flops"] >= t["region_forward_flops"] > 0
@@ -201,6 +215,7 @@ def test_only_outermost_regions_entered_while_active_are_profiled():
 # Replay FLOPs
 # --------------------------------------------------------------------------
 
+
 def test_replay_flops_exact_when_calls_cost_the_same():
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
@@ -249,6 +264,7 @@ def test_replay_flops_of_a_gpt_stack_are_exact():
 # Drop-in contexts (create_selective_checkpoint_contexts)
 # --------------------------------------------------------------------------
 
+
 def dropin_step(policy_factory, recorder=None):
     """gpt4, one drop-in pair per block, profiled; returns (profile, forward contexts)."""
     rec = recorder or ContextRecorder()
@@ -268,10 +284,16 @@ def rows_by_op(prof):
 
 def assert_rows_sum_to_totals(prof):
     t = prof.totals
-    for field, total in [("saved", "saved_ops"), ("dropped", "dropped_ops"), ("saved_bytes", "saved_bytes"),
-                         ("dropped_bytes", "dropped_bytes"), ("replayed", "replayed_ops"),
-                         ("replay_ns", "replay_ns"), ("replay_flops", "replay_flops"),
-                         ("forward_flops", "region_forward_flops")]:
+    for field, total in [
+        ("saved", "saved_ops"),
+        ("dropped", "dropped_ops"),
+        ("saved_bytes", "saved_bytes"),
+        ("dropped_bytes", "dropped_bytes"),
+        ("replayed", "replayed_ops"),
+        ("replay_ns", "replay_ns"),
+        ("replay_flops", "replay_flops"),
+        ("forward_flops", "region_forward_flops"),
+    ]:
         assert sum(r[field] for r in prof.ops) == t[total], field
 
 
@@ -289,12 +311,27 @@ def test_dropin_rows_match_the_region_engine(policy_name):
     ours, theirs = rows_by_op(dropin), rows_by_op(region)
     assert set(ours) == set(theirs)
     for op, row in ours.items():
-        for k in ("saved", "dropped", "saved_bytes", "dropped_bytes", "forward_calls", "forward_flops",
-                  "replay_flops"):
+        for k in (
+            "saved",
+            "dropped",
+            "saved_bytes",
+            "dropped_bytes",
+            "forward_calls",
+            "forward_flops",
+            "replay_flops",
+        ):
             assert row[k] == theirs[op][k], (op, k)
         assert row["replay_flops_exact"]
-    for k in ("saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "policy_calls",
-              "region_forward_flops", "forward_flops", "replay_flops"):
+    for k in (
+        "saved_ops",
+        "saved_bytes",
+        "dropped_ops",
+        "dropped_bytes",
+        "policy_calls",
+        "region_forward_flops",
+        "forward_flops",
+        "replay_flops",
+    ):
         assert t[k] == rt[k], k
     assert t["dropped_bytes"] > 0 and t["forward_flops"] > 0
     # The drop-in's own counters: replays are its recomputes, and the fields
@@ -328,8 +365,13 @@ def test_dropin_recompute_flops_are_those_of_the_dropped_matmul_calls():
     prof, contexts = dropin_step(lambda: torch_sac.policies.save_ops([aten.addmm]))
     rows = rows_by_op(prof)
     bmm, addmm = rows["aten::bmm.default"], rows["aten::addmm.default"]
-    by_call = [n for c in contexts for d in c.op_details() if d["op"] == "aten::bmm.default"
-               for n in d["replays_by_call"]]
+    by_call = [
+        n
+        for c in contexts
+        for d in c.op_details()
+        if d["op"] == "aten::bmm.default"
+        for n in d["replays_by_call"]
+    ]
     assert by_call == [1] * bmm["forward_calls"] and bmm["replayed"] == bmm["dropped"] == 8
     assert bmm["replay_flops"] == bmm["forward_flops"] > 0
     assert addmm["forward_flops"] > 0 and addmm["replayed"] == 0 and addmm["replay_flops"] == 0
@@ -380,12 +422,19 @@ def test_region_and_dropin_in_one_profile():
     assert [r["engine"] for r in prof.to_dict()["regions"]] == ["sac_context", "dropin"] * 2
     assert "4 region(s) (2 sac_context, 2 drop-in)" in prof.table()
     dropins = [fwd for fwd, _ in rec.pairs]
-    for k, field in (("saved_ops", "saved"), ("dropped_ops", "dropped"), ("dropped_bytes", "dropped_bytes")):
-        expected = (sum(r.stats()[k] for r in regions)
-                    + sum(d[field] for fwd in dropins for d in fwd.op_details()))
+    for k, field in (
+        ("saved_ops", "saved"),
+        ("dropped_ops", "dropped"),
+        ("dropped_bytes", "dropped_bytes"),
+    ):
+        expected = sum(r.stats()[k] for r in regions) + sum(
+            d[field] for fwd in dropins for d in fwd.op_details()
+        )
         assert t[k] == expected, k
-    assert t["policy_calls"] == (sum(r.stats()["policy_calls"] for r in regions)
-                                 + sum(fwd.stats()["policy_calls"] for fwd in dropins))
+    assert t["policy_calls"] == (
+        sum(r.stats()["policy_calls"] for r in regions)
+        + sum(fwd.stats()["policy_calls"] for fwd in dropins)
+    )
     assert t["record_ns"] == sum(r.stats()["record_ns"] for r in regions) > 0
     assert t["replay_flops"] == t["region_forward_flops"] == t["forward_flops"] > 0
     assert t["backward_flops"] == plain_prof.totals["backward_flops"]
@@ -399,14 +448,20 @@ def test_profile_does_not_keep_dropin_contexts_alive():
     x = make_input()
     rec = ContextRecorder()
     with torch_sac.profile() as prof:
-        loss = loss_of(forward(module, x, sac_context_fn(torch_sac.policies.save_matmuls, recorder=rec)))
+        loss = loss_of(
+            forward(module, x, sac_context_fn(torch_sac.policies.save_matmuls, recorder=rec))
+        )
         loss.backward()
         del loss
         refs = [weakref.ref(fwd) for fwd, _ in rec.pairs]
         rec.pairs.clear()
         gc.collect()
         assert all(r() is None for r in refs)
-    assert prof.totals["regions"] == 4 and prof.totals["saved_ops"] > 0 and prof.totals["replayed_ops"] > 0
+    assert (
+        prof.totals["regions"] == 4
+        and prof.totals["saved_ops"] > 0
+        and prof.totals["replayed_ops"] > 0
+    )
 
 
 @pytest.mark.parametrize("engine", ["region", "dropin"])
@@ -435,6 +490,7 @@ def test_apply_sac_op_details_and_profile_rows(engine):
 # Output: dict, JSON, table, plot
 # --------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def profiles():
     plain, _, _ = step("gpt4")
@@ -462,8 +518,12 @@ def test_to_dict_round_trips_through_json(profiles, tmp_path):
 def test_table_lists_ops_and_totals(profiles):
     _, prof = profiles
     text = prof.table()
-    for op in ("aten::addmm.default", "aten::bmm.default", "aten::_softmax.default",
-               "aten::native_layer_norm.default"):
+    for op in (
+        "aten::addmm.default",
+        "aten::bmm.default",
+        "aten::_softmax.default",
+        "aten::native_layer_norm.default",
+    ):
         assert op in text
     assert "total" in text and "activations" in text and "replay" in text and "FLOPs" in text
     assert "4 sac_context region(s)" in text
@@ -504,6 +564,7 @@ def test_plot_without_matplotlib_says_how_to_install(profiles, tmp_path, monkeyp
 # --------------------------------------------------------------------------
 # Misuse
 # --------------------------------------------------------------------------
+
 
 def test_misuse_raises_clearly():
     prof = torch_sac.profile()
@@ -546,6 +607,7 @@ def test_user_dispatch_mode_around_a_region_sees_only_user_ops():
     """A TorchDispatchMode entered before a region sees the region's ops once,
     not torch_sac's bookkeeping (with the Python-key adapter it sits below
     the region's mode); Python scalars in tensor slots work."""
+
     class Recorder(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -567,7 +629,13 @@ def test_user_dispatch_mode_around_a_region_sees_only_user_ops():
         with torch_sac.sac_context(torch_sac.policies.recompute_all()):
             y = fn(x)
     assert aten.detach.default not in rec.ops, rec.ops
-    assert rec.ops == [aten.sin.default, aten.mul.Tensor, aten.add.Tensor, aten.exp.default, aten.div.Tensor]
+    assert rec.ops == [
+        aten.sin.default,
+        aten.mul.Tensor,
+        aten.add.Tensor,
+        aten.exp.default,
+        aten.div.Tensor,
+    ]
     y.sum().backward()
     assert torch.equal(x.grad, ref)
 
@@ -575,6 +643,7 @@ def test_user_dispatch_mode_around_a_region_sees_only_user_ops():
 # --------------------------------------------------------------------------
 # Budget policies: measured activation memory against the budget
 # --------------------------------------------------------------------------
+
 
 def plan_for(builder, fraction):
     module, make_input = builder()
@@ -618,6 +687,7 @@ def test_budget_bounds_measured_activation_memory(model, engine):
 # CUDA, through a fake torch.cuda (no GPU here)
 # --------------------------------------------------------------------------
 
+
 def test_cuda_path_with_a_fake_device(monkeypatch):
     from test_memory import FakeCuda
 
@@ -630,12 +700,12 @@ def test_cuda_path_with_a_fake_device(monkeypatch):
     x = torch.randn(4, 4, requires_grad=True)
     with torch_sac.profile("cuda") as prof:
         with torch_sac.sac_context(torch_sac.policies.recompute_all()):
-            cuda.alloc(4096)          # "activations"
-            y = x.sin().sin()         # sampled ops; the first is replayed
+            cuda.alloc(4096)  # "activations"
+            y = x.sin().sin()  # sampled ops; the first is replayed
             cuda.alloc(1024)
             cuda.free(1024)
         prof.end_forward()
-        cuda.alloc(2048)              # backward's peak
+        cuda.alloc(2048)  # backward's peak
         y.sum().backward()
         cuda.free(2048 + 4096)
     t = prof.totals
@@ -650,7 +720,9 @@ def test_cuda_path_with_a_fake_device(monkeypatch):
 
 def _zero_grad_step(zero_grad_inside, set_to_none):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
     x = torch.randn(32, 256)
     model(x).sum().backward()  # gradients exist, as after a previous step
     if not zero_grad_inside:

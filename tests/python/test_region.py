@@ -110,7 +110,9 @@ def forward_in_region(module, x, policy, mode, allow=False, contexts=None):
 def collect(module, x, out):
     return RunResult(
         out=out.detach().clone(),
-        param_grads={n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        param_grads={
+            n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()
+        },
         input_grad=None if x.grad is None else x.grad.clone(),
         buffers={n: b.clone() for n, b in module.named_buffers()},
     )
@@ -147,7 +149,9 @@ def reference(model):
 def assert_step_equal(step, ref, label):
     assert_grads_equal(step.result, ref.result, label)
     assert_buffers_equal(step.result, ref.result, label)
-    assert torch.equal(step.rng_after, ref.rng_after), f"{label}: global RNG state differs after the step"
+    assert torch.equal(step.rng_after, ref.rng_after), (
+        f"{label}: global RNG state differs after the step"
+    )
 
 
 def interceptor_off():
@@ -169,6 +173,7 @@ def tensors_of(obj):
 # --------------------------------------------------------------------------
 # Small functions
 # --------------------------------------------------------------------------
+
 
 def small_inputs(seed=0, n=4):
     g = torch.Generator().manual_seed(seed)
@@ -243,6 +248,7 @@ def test_batchnorm_stats_updated_once_and_bn_replayed(policy_name):
     """BatchNorm's running stats and num_batches_tracked equal the plain run's
     after one step (and after a second step), while the BN output itself is
     dropped and rebuilt by replay."""
+
     def two_steps(policy):
         module, make_input = REGION_MODEL_BUILDERS["convbn"]()
         ctxs = []
@@ -264,7 +270,8 @@ def test_batchnorm_stats_updated_once_and_bn_replayed(policy_name):
         bn = [op for op in rows if "batch_norm" in op]
         assert bn, rows
         assert any(rows[op][1] > 0 and rows[op][2] > 0 for op in bn), (
-            f"BatchNorm output was not dropped and replayed: {rows}")
+            f"BatchNorm output was not dropped and replayed: {rows}"
+        )
         assert ctx.stats()["held_bytes"] > 0  # the copies of the running stats
 
 
@@ -272,11 +279,12 @@ def test_batchnorm_stats_updated_once_and_bn_replayed(policy_name):
 # 2. Random ops
 # ==========================================================================
 
+
 def random_fn(x, w, gen=None):
     """Random factory and in-place random ops whose values backward needs."""
     r = torch.rand(4, 4)
-    a = torch.mm(x, w) * r                      # mul saves r
-    b = torch.randn_like(x) * a.sin()           # saves randn_like's output and sin's
+    a = torch.mm(x, w) * r  # mul saves r
+    b = torch.randn_like(x) * a.sin()  # saves randn_like's output and sin's
     m = torch.empty(4, 4).bernoulli_(0.5)
     c = (b * m).tanh()
     n = torch.empty(4, 4).normal_(0.0, 2.0)
@@ -315,6 +323,7 @@ def test_random_ops_replay_identically(policy_name, with_generator):
 def test_dropout_masks_survive_rng_use_between_forward_and_backward():
     """Replay draws from the state recorded in forward, not the current one:
     drawing random numbers between forward and backward changes nothing."""
+
     def run(policy, disturb):
         module, make_input = REGION_MODEL_BUILDERS["gpt4"]()
         x = make_input()
@@ -334,6 +343,7 @@ def test_dropout_masks_survive_rng_use_between_forward_and_backward():
 # 3. Views, aliasing, in-place chains, .item(), factory ops
 # ==========================================================================
 
+
 def views_fn(x, w):
     h = torch.mm(x, w)
     s0, s1 = h.split(2, dim=1)
@@ -351,12 +361,12 @@ def inplace_fn(x, w):
     y = x.sin()
     y.mul_(2)
     y.add_(1)
-    e = y.exp()                       # saves its result
-    z = y * w                         # saves y (at version 2) and w
+    e = y.exp()  # saves its result
+    z = y * w  # saves y (at version 2) and w
     s = torch.mm(x, w).sin()
-    sv = s[:, :2]                     # a view of a region tensor...
-    sv.mul_(3)                        # ...written in place
-    s2 = s.cos()                      # saves s after the write through the view
+    sv = s[:, :2]  # a view of a region tensor...
+    sv.mul_(3)  # ...written in place
+    s2 = s.cos()  # saves s after the write through the view
     q = s.t()[1:] * 1.5
     q.add_(0.5)
     q2 = q.exp()
@@ -365,14 +375,14 @@ def inplace_fn(x, w):
 
 def item_and_factory_fn(x, w):
     h = torch.mm(x, w)
-    k = h.abs().sum().item()          # .item() inside the region
+    k = h.abs().sum().item()  # .item() inside the region
     zeros = torch.zeros(4, 4)
     zeros[:, 0] = 1.0
     zeros[1].fill_(2.0)
     ar = torch.arange(4.0).view(1, 4)
     full = torch.full((4, 4), k / 100.0)
     ones = torch.ones_like(h)
-    a = (h + ar) * zeros              # mul saves zeros
+    a = (h + ar) * zeros  # mul saves zeros
     b = (h * full).sin()
     c = (a + ones).tanh() * torch.eye(4)
     return [a.exp(), b, c]
@@ -395,7 +405,9 @@ VIEW_FNS = {
 }
 
 
-@pytest.mark.parametrize("policy_name", ["recompute_all", "save_all", "save_matmuls", "callable", "every_other_mm"])
+@pytest.mark.parametrize(
+    "policy_name", ["recompute_all", "save_all", "save_matmuls", "callable", "every_other_mm"]
+)
 @pytest.mark.parametrize("fn_name", list(VIEW_FNS))
 def test_views_inplace_item_factories(fn_name, policy_name):
     fn = VIEW_FNS[fn_name]
@@ -420,9 +432,10 @@ def test_write_to_outside_tensor_applied_once(policy_name):
 def test_dropped_views_rebuilt_after_originals_die():
     """Views of a dropped tensor saved by autograd come back with the right
     geometry (offset, strides) when the originals are gone."""
+
     def fn(x, w):
         h = torch.mm(x, w).sin()
-        a = h[1:, ::2]             # non-contiguous, offset view
+        a = h[1:, ::2]  # non-contiguous, offset view
         b = h.t()[2]
         return [a.exp(), (b * b).sum(0, keepdim=True), h.diagonal().cos()]
 
@@ -436,6 +449,7 @@ def test_dropped_views_rebuilt_after_originals_die():
 # ==========================================================================
 # 4. stats() and op_summary()
 # ==========================================================================
+
 
 def chain_fn(x, w):
     """mm, sin, mm, relu, exp: 5 ops, all needed by backward."""
@@ -454,8 +468,17 @@ def test_stats_recompute_all():
     assert_fn_equal(ours, ref, "recompute_all")
     s = ours[3].stats()
     assert set(s) >= {
-        "policy_calls", "saved_ops", "saved_bytes", "dropped_ops", "dropped_bytes", "held_bytes",
-        "packed_kept", "packed_dropped", "unpacked_original", "replayed_ops", "replay_ns",
+        "policy_calls",
+        "saved_ops",
+        "saved_bytes",
+        "dropped_ops",
+        "dropped_bytes",
+        "held_bytes",
+        "packed_kept",
+        "packed_dropped",
+        "unpacked_original",
+        "replayed_ops",
+        "replay_ns",
     }
     assert all(type(v) is int for v in s.values()), s
     assert s["policy_calls"] == 5
@@ -506,8 +529,8 @@ def test_live_original_is_used_instead_of_replay():
     x, w = small_inputs()
     with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
         a = torch.mm(x, w)
-        b = a.sin()          # saves a
-        c = b.exp()          # saves its result c
+        b = a.sin()  # saves a
+        c = b.exp()  # saves its result c
     loss_of(c).backward()
     s = ctx.stats()
     assert s["unpacked_original"] == s["packed_dropped"] == 2
@@ -524,6 +547,7 @@ def test_stats_before_enter_raises():
 # 5. Nested regions
 # ==========================================================================
 
+
 def nested_fn(outer_ops, inner_policy):
     def fn(x, w):
         a = torch.mm(x, w).sin()
@@ -531,6 +555,7 @@ def nested_fn(outer_ops, inner_policy):
             b = torch.mm(a, w).cos()
             c = b.exp()
         return torch.mm(c, w).tanh()
+
     return fn
 
 
@@ -540,11 +565,11 @@ def summary(ctx):
 
 def test_nested_must_beats_prefer():
     outer = lambda ctx, op, *a, **k: P.MUST_SAVE if op is aten.mm.default else P.PREFER_RECOMPUTE
-    fn = nested_fn(None, torch_sac.policies.recompute_all())      # inner: PREFER_RECOMPUTE
+    fn = nested_fn(None, torch_sac.policies.recompute_all())  # inner: PREFER_RECOMPUTE
     ours = run_fn(fn, outer)
     assert_fn_equal(ours, run_fn(fn), "MUST_SAVE outer / PREFER_RECOMPUTE inner")
     rows = summary(ours[3])
-    assert rows["aten::mm.default"] == (3, 0), rows            # outer MUST_SAVE wins inside too
+    assert rows["aten::mm.default"] == (3, 0), rows  # outer MUST_SAVE wins inside too
     assert rows["aten::cos.default"] == (0, 1)
 
     # And the other way round: outer PREFER_SAVE, inner MUST_RECOMPUTE for mm.
@@ -553,7 +578,7 @@ def test_nested_must_beats_prefer():
     ours = run_fn(fn, torch_sac.policies.save_all())
     assert_fn_equal(ours, run_fn(fn), "PREFER_SAVE outer / MUST_RECOMPUTE inner")
     rows = summary(ours[3])
-    assert rows["aten::mm.default"] == (2, 1), rows            # only the inner mm is dropped
+    assert rows["aten::mm.default"] == (2, 1), rows  # only the inner mm is dropped
     assert rows["aten::cos.default"] == (1, 0)
 
 
@@ -579,8 +604,9 @@ def test_nested_three_levels_and_checkpoint_inside():
         with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
             a = torch.mm(x, w).sin()
             with torch_sac.sac_context(torch_sac.policies.recompute_all()):
-                b = torch_sac.checkpoint(lambda t: torch.mm(t, w).cos(), a,
-                                         policy=torch_sac.policies.save_all())
+                b = torch_sac.checkpoint(
+                    lambda t: torch.mm(t, w).cos(), a, policy=torch_sac.policies.save_all()
+                )
         return (a * b).exp()
 
     ours = run_fn(fn, torch_sac.policies.recompute_all())
@@ -600,14 +626,16 @@ def test_nested_conflicting_musts_raise_naming_op():
         with torch_sac.sac_context(outer):
             a = x.sin()
             with torch_sac.sac_context(inner):
-                a.cos()                    # MUST_RECOMPUTE vs PREFER_SAVE: fine
-                torch.mm(a, w)             # MUST_RECOMPUTE vs MUST_SAVE: raises
+                a.cos()  # MUST_RECOMPUTE vs PREFER_SAVE: fine
+                torch.mm(a, w)  # MUST_RECOMPUTE vs MUST_SAVE: raises
     msg = str(excinfo.value)
     assert "aten::mm" in msg, msg
     assert "MUST_SAVE" in msg and "MUST_RECOMPUTE" in msg, msg
     interceptor_off()
     # Everything unwound: a new region works and is exact.
-    assert_fn_equal(run_fn(chain_fn, torch_sac.policies.recompute_all()), run_fn(chain_fn), "after conflict")
+    assert_fn_equal(
+        run_fn(chain_fn, torch_sac.policies.recompute_all()), run_fn(chain_fn), "after conflict"
+    )
 
 
 def test_nested_exit_out_of_order_raises():
@@ -687,7 +715,8 @@ def test_policy_bound_to_module_keeping_its_region_is_collected(engine):
                 return self.kept
 
             return torch.utils.checkpoint.checkpoint(
-                lambda t: self.lin(t).relu(), x, use_reentrant=False, context_fn=context_fn)
+                lambda t: self.lin(t).relu(), x, use_reentrant=False, context_fn=context_fn
+            )
 
     refs = []
     for _ in range(3):
@@ -721,14 +750,18 @@ def test_exit_on_another_thread_raises():
     interceptor_off()
 
 
-@pytest.mark.parametrize("outer_name,inner_name", [
-    ("recompute_all", "save_matmuls"),
-    ("save_all", "recompute_all"),
-    ("every_other_mm", "callable"),
-    ("save_matmuls", "save_all"),
-])
+@pytest.mark.parametrize(
+    "outer_name,inner_name",
+    [
+        ("recompute_all", "save_matmuls"),
+        ("save_all", "recompute_all"),
+        ("every_other_mm", "callable"),
+        ("save_matmuls", "save_all"),
+    ],
+)
 def test_nested_per_block_regions_exact(outer_name, inner_name):
     """A region around the whole GPT stack and a region per block inside it."""
+
     def fwd(module, x):
         with torch_sac.sac_context(policy_of(outer_name)) as ctx:
             h = x
@@ -749,6 +782,7 @@ def test_nested_per_block_regions_exact(outer_name, inner_name):
 # ==========================================================================
 # 6. Composition: torch.utils.checkpoint, save_on_cpu, autocast
 # ==========================================================================
+
 
 def block_fn(h, w):
     return torch.mm(h, w).sin().mul(2).tanh()
@@ -777,13 +811,20 @@ def test_torch_machinery_inside_region(inner, policy_name):
 def test_region_inside_torch_checkpoint():
     def fn(x, w):
         return tc.checkpoint(
-            lambda x, w: torch_sac.checkpoint(chain_fn, x, w, policy=torch_sac.policies.recompute_all()),
-            x, w, use_reentrant=False)
+            lambda x, w: torch_sac.checkpoint(
+                chain_fn, x, w, policy=torch_sac.policies.recompute_all()
+            ),
+            x,
+            w,
+            use_reentrant=False,
+        )
 
     assert_fn_equal(run_fn(fn), run_fn(chain_fn), "sac region inside torch checkpoint")
 
 
-@pytest.mark.parametrize("model,mode", [("mlp", "whole"), ("gpt4", "per_block"), ("convbn", "whole")])
+@pytest.mark.parametrize(
+    "model,mode", [("mlp", "whole"), ("gpt4", "per_block"), ("convbn", "whole")]
+)
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
 @pytest.mark.parametrize("placement", ["autocast_inside_region", "region_inside_autocast"])
 def test_autocast(model, mode, policy_name, placement):
@@ -822,6 +863,7 @@ def test_autocast(model, mode, policy_name, placement):
 # ==========================================================================
 # 7. Threads
 # ==========================================================================
+
 
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
 def test_backward_on_another_thread(policy_name):
@@ -863,7 +905,7 @@ def test_regions_on_two_threads_at_once():
             with torch_sac.sac_context(policy) as ctx:
                 h = x
                 for _ in range(n_steps):
-                    barrier.wait()          # both threads are inside their region
+                    barrier.wait()  # both threads are inside their region
                     h = torch.mm(h, w).sin()
             loss_of(h).backward()
             results[name] = (ctx.stats(), h.detach(), x.grad.clone(), w.grad.clone())
@@ -912,7 +954,10 @@ class RecordingCallable:
 # 8. retain_graph and double backward
 # ==========================================================================
 
-@pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "every_other_mm", "save_all"])
+
+@pytest.mark.parametrize(
+    "policy_name", ["recompute_all", "save_matmuls", "every_other_mm", "save_all"]
+)
 @pytest.mark.parametrize("model", ["gpt4", "convbn", "lstm_loop"])
 def test_retain_graph_second_backward_replays_again(model, policy_name):
     def run(policy):
@@ -995,6 +1040,7 @@ def test_double_backward_gradient_penalty(model, policy_name):
 # ==========================================================================
 # 9. Errors leave no state behind
 # ==========================================================================
+
 
 class PolicyBoom(Exception):
     pass
@@ -1081,7 +1127,9 @@ class Garbage:
         return "<Garbage 42>"
 
 
-@pytest.mark.parametrize("bad", [None, "MUST_SAVE", 1, 2.5, Garbage()], ids=["None", "str", "int", "float", "object"])
+@pytest.mark.parametrize(
+    "bad", [None, "MUST_SAVE", 1, 2.5, Garbage()], ids=["None", "str", "int", "float", "object"]
+)
 def test_policy_returning_garbage_raises_value_error(bad):
     def policy(ctx, op, *args, **kwargs):
         return bad if op is aten.sin.default else P.PREFER_RECOMPUTE
@@ -1112,8 +1160,8 @@ def test_outside_tensor_modified_before_backward_raises():
     x, _ = small_inputs()
     c = torch.randn(4, 4)
     with torch_sac.sac_context(torch_sac.policies.recompute_all()):
-        h = x + c            # dropped; replaying it needs c
-        y = h.sin()          # saves h
+        h = x + c  # dropped; replaying it needs c
+        y = h.sin()  # saves h
     del h
     c.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation") as excinfo:
@@ -1139,7 +1187,7 @@ def test_dropped_tensor_modified_after_save_raises_like_autograd():
     x, w = small_inputs()
     with torch_sac.sac_context(torch_sac.policies.recompute_all()):
         a = torch.mm(x, w)
-        b = a.sin()          # saves a (dropped)
+        b = a.sin()  # saves a (dropped)
     a.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         b.sum().backward()
@@ -1160,10 +1208,10 @@ def saved_then_mutated(allow):
     with torch_sac.sac_context(policy, allow_cache_entry_mutation=allow) as ctx:
         h = torch.mm(x, w)
         y = h.exp()
-        z = y.cos()          # saves y: dropped
+        z = y.cos()  # saves y: dropped
     del y
     with torch.no_grad():
-        h.mul_(2)            # plain autograd would not mind: nothing saved h
+        h.mul_(2)  # plain autograd would not mind: nothing saved h
     z.sum().backward()
     return x, w, ctx
 
@@ -1192,6 +1240,7 @@ def test_saved_output_mutated_allowed():
 # ==========================================================================
 # 10. Grad disabled, inference mode
 # ==========================================================================
+
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
@@ -1227,6 +1276,7 @@ def test_grad_disabled_part_of_region():
     """Ops under no_grad in a region entered with grad on are recorded and
     reach the policy, as in PyTorch's SAC (a no_grad result may feed ops
     backward needs); backward is exact."""
+
     def fn(x, w):
         with torch.no_grad():
             scale = torch.mm(x, w).abs().max()
@@ -1236,13 +1286,20 @@ def test_grad_disabled_part_of_region():
     ours = run_fn(fn, seen)
     assert_fn_equal(ours, run_fn(fn), "partly no_grad")
     assert [str(op) for op in seen.ops] == [
-        "aten.mm.default", "aten.abs.default", "aten.max.default",
-        "aten.mm.default", "aten.div.Tensor", "aten.sin.default", "aten.exp.default"]
+        "aten.mm.default",
+        "aten.abs.default",
+        "aten.max.default",
+        "aten.mm.default",
+        "aten.div.Tensor",
+        "aten.sin.default",
+        "aten.exp.default",
+    ]
 
 
 # ==========================================================================
 # 11. Memory: what the region drops is gone, what it holds is freed with the graph
 # ==========================================================================
+
 
 def storage_ref(t):
     return StorageWeakRef(t.untyped_storage())
@@ -1251,6 +1308,7 @@ def storage_ref(t):
 def test_dropped_intermediate_is_freed_after_forward():
     """With recompute_all, an intermediate autograd saved is not kept alive
     once the user drops it (without a region, the graph keeps it)."""
+
     def forward(policy):
         x, w = small_inputs()
         ctx = torch_sac.sac_context(policy) if policy is not None else None
@@ -1258,9 +1316,9 @@ def test_dropped_intermediate_is_freed_after_forward():
             ctx.__enter__()
         try:
             a = torch.mm(x, w)
-            b = a.sin()            # saves a
-            c = b.exp()            # saves its result c
-            d = c.tanh()           # saves its result d
+            b = a.sin()  # saves a
+            c = b.exp()  # saves its result c
+            d = c.tanh()  # saves its result d
         finally:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
@@ -1277,7 +1335,7 @@ def test_dropped_intermediate_is_freed_after_forward():
     x, w, d, refs, ctx = forward(torch_sac.policies.recompute_all())
     assert all(r.expired() for r in refs), "a dropped intermediate is still alive after forward"
     loss_of(d).backward()
-    assert ctx.stats()["replayed_ops"] >= 3   # mm, sin and exp rebuilt
+    assert ctx.stats()["replayed_ops"] >= 3  # mm, sin and exp rebuilt
     x_ref, w_ref = small_inputs()
     loss_of(torch.mm(x_ref, w_ref).sin().exp().tanh()).backward()
     assert_tensors_equal(x.grad, x_ref.grad, "x.grad")
@@ -1305,14 +1363,14 @@ def held_by_region():
     keeps mm's output, for replaying exp. Also the input x, which only the
     region holds (for replaying sin)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 4, generator=g)     # needs no grad: autograd saves nothing of it
+    x = torch.randn(4, 4, generator=g)  # needs no grad: autograd saves nothing of it
     w = torch.randn(4, 4, generator=g).requires_grad_(True)
     ctx = torch_sac.sac_context([aten.mm.default])
     with ctx:
-        s = x.sin()                # dropped, needs x to replay
-        h = torch.mm(s, w)         # saved (autograd saves s: a reference)
-        y = h.exp()                # dropped, needs h to replay
-        out = y.cos()              # saves y: a reference
+        s = x.sin()  # dropped, needs x to replay
+        h = torch.mm(s, w)  # saved (autograd saves s: a reference)
+        y = h.exp()  # dropped, needs h to replay
+        out = y.cos()  # saves y: a reference
     refs = {"x": storage_ref(x), "mm output": storage_ref(h), "sin output": storage_ref(s)}
     del x, s, h, y
     gc.collect()
@@ -1324,14 +1382,15 @@ _HELD_AFTER_GRAPH_FREED = (
     "`region.stats()` after backward) keeps its _C.Region alive, and with it "
     "every tensor in the tape (ArgSlot.held: inputs from outside and SAVE "
     "outputs used by dropped ops, plus the BatchNorm running-stat copies) "
-    "after the autograd graph was freed")
+    "after the autograd graph was freed"
+)
 
 
 def test_region_holds_what_replay_needs_while_graph_lives():
     w, out, ctx, refs = held_by_region()
     assert refs["sin output"].expired(), "the dropped sin output is still alive"
     assert not refs["x"].expired() and not refs["mm output"].expired()
-    out.sum().backward(retain_graph=True)   # replays sin and exp
+    out.sum().backward(retain_graph=True)  # replays sin and exp
     assert ctx.stats()["replayed_ops"] >= 2
     assert not refs["x"].expired() and not refs["mm output"].expired()
 
@@ -1380,7 +1439,7 @@ def _train_steps(n, policy_name, model="mlp"):
 
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "callable"])
 def test_no_python_object_growth_over_many_steps(policy_name):
-    _train_steps(20, policy_name)   # warm up caches (op handles, policy tables)
+    _train_steps(20, policy_name)  # warm up caches (op handles, policy tables)
     gc.collect()
     before = len(gc.get_objects())
     _train_steps(300, policy_name)
@@ -1391,7 +1450,9 @@ def test_no_python_object_growth_over_many_steps(policy_name):
     assert after - before < 100, f"{after - before} more gc-tracked objects after 300 steps"
 
 
-@pytest.mark.parametrize("model,policy_name", [("convbn", "save_matmuls"), ("lstm_loop", "recompute_all")])
+@pytest.mark.parametrize(
+    "model,policy_name", [("convbn", "save_matmuls"), ("lstm_loop", "recompute_all")]
+)
 def test_no_tensor_memory_growth_over_many_steps(model, policy_name):
     memory = pytest.importorskip("torch_sac.memory")
     if not hasattr(memory, "install_counting_allocator") or not hasattr(memory, "cpu_memory_stats"):
@@ -1422,8 +1483,10 @@ def test_no_tensor_memory_growth_over_many_steps(model, policy_name):
 # 12. Built-in policies that look beyond the op: names and call indices
 # ==========================================================================
 
+
 def test_save_by_name_in_region():
     """Ops inside a named scope are kept, the rest replayed; gradients exact."""
+
     def block(x, w):
         with torch_sac.name("proj"):
             h = torch.mm(x, w).relu()
@@ -1447,7 +1510,7 @@ def test_save_by_name_in_region():
     assert_tensors_equal(gx, ref[0], "x.grad")
     assert_tensors_equal(gw, ref[1], "w.grad")
     rows = {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
-    assert rows["aten::mm.default"] == (1, 1)   # the mm in the scope saved, the other dropped
+    assert rows["aten::mm.default"] == (1, 1)  # the mm in the scope saved, the other dropped
     assert rows["aten::relu.default"] == (1, 0)
     assert rows["aten::sin.default"] == (0, 1)
 
@@ -1461,7 +1524,7 @@ def test_every_nth_counts_calls_in_the_region():
             h = torch.mm(h, x).tanh()
     h.sum().backward()
     rows = {op: (saved, dropped) for op, saved, dropped, _ in ctx.op_summary()}
-    assert rows["aten::mm.default"] == (3, 2)   # calls 0, 2, 4
+    assert rows["aten::mm.default"] == (3, 2)  # calls 0, 2, 4
 
 
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
@@ -1473,6 +1536,7 @@ def test_step_peak_at_most_torch_checkpointing(policy_name):
     whole step, as the two keep different tensors at the start of backward.)"""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     from torch_sac.models import Block
+
     memory = torch_sac.memory
     memory.install_counting_allocator()
     torch.manual_seed(0)
@@ -1508,10 +1572,11 @@ def test_replayed_op_writing_a_saved_output_updates_it_once():
     """BatchNorm whose running stats were made (and kept) inside the region:
     replaying it for its dropped output works on a copy of the stats, so
     they are updated exactly once and the saved tensors stay unchanged."""
+
     def f(x, w):
         scale = w.sum().detach()
-        running_mean = torch.zeros(4) * scale       # kept by the policy
-        running_var = torch.ones(4) + 0 * scale     # kept by the policy
+        running_mean = torch.zeros(4) * scale  # kept by the policy
+        running_var = torch.ones(4) + 0 * scale  # kept by the policy
         y = F.batch_norm(x, running_mean, running_var, w, None, training=True)
         return y.sin().sum(), running_mean, running_var
 
@@ -1542,6 +1607,7 @@ def test_replayed_op_writing_a_saved_output_updates_it_once():
 # 13. Found in review: each test would have caught the bug it names
 # ==========================================================================
 
+
 def test_unrecorded_write_right_after_a_recorded_write_is_seen():
     """A no_grad write right after a recorded in-place op (whose own version
     bump the region cannot see yet) must still mark the tensor as changed
@@ -1552,9 +1618,9 @@ def test_unrecorded_write_right_after_a_recorded_write_is_seen():
 
     def f():
         y = x @ w
-        y.add_(1)                 # recorded; saves nothing
+        y.add_(1)  # recorded; saves nothing
         with torch.no_grad():
-            y.mul_(2)             # not recorded
+            y.mul_(2)  # not recorded
         return y.sin().sum()
 
     (ref,) = torch.autograd.grad(f(), w)
@@ -1635,7 +1701,7 @@ class _ZeroesItsSavedTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (a,) = ctx.saved_tensors
-        a.mul_(0)   # writes to the rebuilt tensor it was handed
+        a.mul_(0)  # writes to the rebuilt tensor it was handed
         return grad * 3
 
 
@@ -1658,7 +1724,7 @@ def test_backward_writing_to_an_unpacked_tensor_does_not_corrupt_other_nodes():
 def test_in_place_write_to_an_outside_tensor_is_not_copied_when_it_cannot_replay():
     memory = torch_sac.memory
     memory.install_counting_allocator()
-    x = torch.randn(4096, requires_grad=True) * 1   # from outside, not a leaf
+    x = torch.randn(4096, requires_grad=True) * 1  # from outside, not a leaf
 
     def peak(region):
         with memory.track() as m, region:
@@ -1666,7 +1732,7 @@ def test_in_place_write_to_an_outside_tensor_is_not_copied_when_it_cannot_replay
                 x.add_(1)
         return m.peak
 
-    plain = peak(contextlib.nullcontext())   # the wrapped `1`s
+    plain = peak(contextlib.nullcontext())  # the wrapped `1`s
     ctx = torch_sac.sac_context(torch_sac.policies.recompute_all())
     # No copy of x (16 KiB); the Python-key adapter re-wraps each `1` (8 bytes).
     assert peak(ctx) <= plain + 8 * 10
@@ -1675,7 +1741,7 @@ def test_in_place_write_to_an_outside_tensor_is_not_copied_when_it_cannot_replay
 
 @torch.library.custom_op("torch_sac_test::scaled_sin", mutates_args=())
 def _scaled_sin(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.sin(x) * scale   # a Python kernel: replay runs Python
+    return torch.sin(x) * scale  # a Python kernel: replay runs Python
 
 
 @_scaled_sin.register_fake

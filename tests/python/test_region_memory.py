@@ -118,7 +118,9 @@ def allocated():
 def storage_bytes(tensors):
     """Bytes of the distinct storages of ``tensors`` (None skipped)."""
     storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None
     }
     return sum(storages.values())
 
@@ -127,6 +129,7 @@ def storage_bytes(tensors):
 # Models: each a Stack of blocks (one region / checkpoint per block in the
 # per_block mode, one around the whole model in the whole mode)
 # --------------------------------------------------------------------------
+
 
 class PoolHead(nn.Module):
     def __init__(self, c, n_out):
@@ -151,13 +154,20 @@ Spec = collections.namedtuple("Spec", "build py_numbers")
 MODELS = {
     # 4 x (Linear -> ReLU -> Linear -> tanh)
     "mlp": Spec(
-        lambda: (_seeded(lambda: Stack(*[MLP(32, 64, 32) for _ in range(4)]))(), _input_factory((16, 32), 11)),
+        lambda: (
+            _seeded(lambda: Stack(*[MLP(32, 64, 32) for _ in range(4)]))(),
+            _input_factory((16, 32), 11),
+        ),
         py_numbers=0,
     ),
     # 4 pre-LN causal attention blocks with dropout and in-place residual adds
     "gpt": Spec(
         lambda: (
-            _seeded(lambda: Stack(*[GPTBlock(d_model=32, n_head=2, dropout=0.25, max_len=16) for _ in range(4)]))(),
+            _seeded(
+                lambda: Stack(
+                    *[GPTBlock(d_model=32, n_head=2, dropout=0.25, max_len=16) for _ in range(4)]
+                )
+            )(),
             _input_factory((4, 16, 32), 12),
         ),
         py_numbers=4,  # `att * (1 / sqrt(D))`, once per block
@@ -165,7 +175,9 @@ MODELS = {
     # 3 x (Conv -> BatchNorm -> ReLU(inplace)), then pool + Linear
     "convbn": Spec(
         lambda: (
-            _seeded(lambda: Stack(ConvBNReLU(3, 8), ConvBNReLU(8, 8), ConvBNReLU(8, 8), PoolHead(8, 4)))(),
+            _seeded(
+                lambda: Stack(ConvBNReLU(3, 8), ConvBNReLU(8, 8), ConvBNReLU(8, 8), PoolHead(8, 4))
+            )(),
             _input_factory((4, 3, 16, 16), 13),
         ),
         py_numbers=0,
@@ -173,7 +185,10 @@ MODELS = {
     # A deep-ish chain whose activations (16 KiB each) dominate its gradients:
     # 8 blocks x 2 x (Linear(32, 32) -> tanh), batch 128.
     "chain": Spec(
-        lambda: (_seeded(lambda: Stack(*[ChainBlock(32) for _ in range(8)]))(), _input_factory((128, 32), 14)),
+        lambda: (
+            _seeded(lambda: Stack(*[ChainBlock(32) for _ in range(8)]))(),
+            _input_factory((128, 32), 14),
+        ),
         py_numbers=0,
     ),
 }
@@ -184,7 +199,9 @@ MODES = ["per_block", "whole"]
 def bn_stats_bytes(module):
     """Bytes of all BatchNorm running_mean/running_var buffers."""
     return sum(
-        m.running_mean.nbytes + m.running_var.nbytes for m in module.modules() if isinstance(m, nn.BatchNorm2d)
+        m.running_mean.nbytes + m.running_var.nbytes
+        for m in module.modules()
+        if isinstance(m, nn.BatchNorm2d)
     )
 
 
@@ -195,6 +212,7 @@ def py_number_allowance(spec):
 # --------------------------------------------------------------------------
 # Running and measuring
 # --------------------------------------------------------------------------
+
 
 def run_forward(module, x, method, mode, policy_name, contexts):
     """Forward by ``method`` ("plain", "region", "checkpoint", "torch_sac"),
@@ -211,7 +229,9 @@ def run_forward(module, x, method, mode, policy_name, contexts):
         elif method == "checkpoint":
             h = tc.checkpoint(block, h, use_reentrant=False)
         elif method == "torch_sac":
-            context_fn = functools.partial(tc.create_selective_checkpoint_contexts, list(MATMUL_OPS))
+            context_fn = functools.partial(
+                tc.create_selective_checkpoint_contexts, list(MATMUL_OPS)
+            )
             h = tc.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
         else:
             raise AssertionError(method)
@@ -267,6 +287,7 @@ def measure(model, method, mode="whole", policy_name=None):
 # ==========================================================================
 # 1. Activation memory after forward
 # ==========================================================================
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", MODEL_NAMES)
@@ -331,6 +352,7 @@ def test_save_matmuls_at_most_torch_sac(model, mode, policy_name):
 # ==========================================================================
 # 2. Everything is freed after backward / with the graph
 # ==========================================================================
+
 
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_all", "save_matmuls"])
 @pytest.mark.parametrize("mode", MODES)
@@ -439,7 +461,9 @@ def test_no_growth_over_1000_training_steps(model, policy_name):
             step()
         s = memory.cpu_memory_stats()
         levels.append(s["allocated"] - start["allocated"])
-        live_allocs.append((s["num_allocs"] - s["num_frees"]) - (start["num_allocs"] - start["num_frees"]))
+        live_allocs.append(
+            (s["num_allocs"] - s["num_frees"]) - (start["num_allocs"] - start["num_frees"])
+        )
         peaks.append(m.peak)
     grown = [(i, d) for i, d in enumerate(levels) if d != 0]
     assert not grown, f"bytes live changed after steps (step, bytes): {grown[:5]}"
@@ -450,6 +474,7 @@ def test_no_growth_over_1000_training_steps(model, policy_name):
 # ==========================================================================
 # 4. Peak during backward
 # ==========================================================================
+
 
 def test_recompute_all_per_block_backward_peak_below_plain():
     """Deep-ish chain, one recompute_all region per block: a replay rebuilds
@@ -472,7 +497,11 @@ def test_recompute_all_backward_peak_at_most_torch_checkpoint(model, mode):
     which re-runs the chain once too."""
     region = measure(model, "region", mode, "recompute_all")
     torch_ckpt = measure(model, "checkpoint", mode)
-    assert region.peak <= torch_ckpt.peak, (region.peak, torch_ckpt.peak, measure(model, "plain").peak)
+    assert region.peak <= torch_ckpt.peak, (
+        region.peak,
+        torch_ckpt.peak,
+        measure(model, "plain").peak,
+    )
 
 
 @pytest.mark.parametrize("mode", ["per_block", "whole"])
@@ -508,4 +537,6 @@ def test_saved_output_held_for_replay_dies_with_its_last_dropped_consumer():
     mm_node.register_prehook(lambda grads: seen.append([r.expired() for r in refs]))
     h.sum().backward()
     assert all(r.expired() for r in refs)  # all gone after backward
-    assert seen == [[False, False, False, True]], f"mm outputs freed before the last layer's MmBackward0: {seen}"
+    assert seen == [[False, False, False, True]], (
+        f"mm outputs freed before the last layer's MmBackward0: {seen}"
+    )

@@ -19,7 +19,8 @@ from conftest import REPO_ROOT
 def test_release_is_supported():
     assert _compat.TORCH_RELEASE[:2] in _compat.SUPPORTED_RELEASES, (
         f"torch {torch.__version__} is outside the supported range; add it to "
-        "SUPPORTED_RELEASES once the suite passes on it")
+        "SUPPORTED_RELEASES once the suite passes on it"
+    )
 
 
 def test_built_with_the_running_torch():
@@ -48,9 +49,13 @@ def test_import_refuses_a_build_for_another_release(tmp_path):
             os.symlink(os.path.join(package, name), shadow / name)
     (shadow / "_build_info.py").write_text("BUILT_WITH_TORCH = '2.9.1'\n")
     result = subprocess.run(
-        [sys.executable, "-c", "import torch_sac"], cwd=tmp_path,
+        [sys.executable, "-c", "import torch_sac"],
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        capture_output=True, text=True, timeout=120)
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "ImportError" in result.stderr
     assert "built against torch 2.9.1" in result.stderr

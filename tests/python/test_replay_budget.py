@@ -192,9 +192,15 @@ def test_saved_outputs_are_checkpoints_for_free():
     assert max(tanh_replays(region)["replays_by_call"]) <= 3
 
 
-@pytest.mark.parametrize("bad, error", [
-    (-1, ValueError), (1.5, TypeError), (True, TypeError), ("1MiB", TypeError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (-1, ValueError),
+        (1.5, TypeError),
+        (True, TypeError),
+        ("1MiB", TypeError),
+    ],
+)
 def test_bad_replay_budget_raises(bad, error):
     with pytest.raises(error, match="replay_budget"):
         torch_sac.sac_context(RECOMPUTE_ALL(), replay_budget=bad)
@@ -218,8 +224,9 @@ def test_budget_on_a_nested_region_raises_and_leaves_the_outer_one_working():
 def test_apply_sac_passes_the_budget_to_each_region():
     model, tokens = tiny_gpt(depth=2)
     want, _, _ = gpt_step(model, tokens)
-    handle = torch_sac.apply_sac(model, RECOMPUTE_ALL(), modules=lambda m: m is model,
-                                 replay_budget=0)
+    handle = torch_sac.apply_sac(
+        model, RECOMPUTE_ALL(), modules=lambda m: m is model, replay_budget=0
+    )
     try:
         got, _, _ = gpt_step(model, tokens)
     finally:
@@ -414,7 +421,6 @@ def test_nested_regions_recompute_inner_ops_again_and_the_profile_shows_it():
             assert row["replays_by_call"] == [1, 1, 1, 1, 1, 0]
             assert prof_row["most_replays"] == 1
     assert peaks[True] < peaks[False]
-
 
 
 @pytest.mark.parametrize("replay_budget", [0, torch_sac.ReplayBudget(0, counts_saved=True)])

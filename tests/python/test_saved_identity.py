@@ -81,10 +81,16 @@ WRAPPERS = {
     "region save_matmuls": lambda f, x: _in_region(torch_sac.policies.save_matmuls(), f, x),
     "torch_sac.checkpoint": lambda f, x: torch_sac.checkpoint(f, x, use_reentrant=False),
     "torch_sac.checkpoint policy": lambda f, x: torch_sac.checkpoint(
-        f, x, use_reentrant=False, policy=torch_sac.policies.save_matmuls()),
+        f, x, use_reentrant=False, policy=torch_sac.policies.save_matmuls()
+    ),
     "drop-in contexts": lambda f, x: tc.checkpoint(
-        f, x, use_reentrant=False, context_fn=functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls())),
+        f,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(
+            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls()
+        ),
+    ),
 }
 
 
@@ -134,6 +140,7 @@ def test_frozen_plain_tensor_keeps_its_python_attributes():
 def test_a_kept_frozen_tensor_still_checks_its_version(policy):
     """Kept as itself, a saved tensor written in place before backward is
     still caught, as plain autograd catches it."""
+
     def step(wrap):
         w = torch.randn(3, 3)
         x = torch.randn(2, 3, requires_grad=True)

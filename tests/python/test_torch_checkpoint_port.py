@@ -66,7 +66,7 @@ import torch_sac
 from conftest import aten, assert_tensors_equal
 
 ENGINES = ["torch", "ckpt", "region"]
-CKPT_ENGINES = ["torch", "ckpt"]      # engines with checkpoint()'s signature
+CKPT_ENGINES = ["torch", "ckpt"]  # engines with checkpoint()'s signature
 
 
 def _recompute_all():
@@ -98,7 +98,9 @@ def sequential(engine, functions, segments, input, **kwargs):
     if engine == "torch":
         return tc.checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
     if engine == "ckpt":
-        return torch_sac.checkpoint_sequential(functions, segments, input, use_reentrant=False, **kwargs)
+        return torch_sac.checkpoint_sequential(
+            functions, segments, input, use_reentrant=False, **kwargs
+        )
     assert engine == "region", engine
     if isinstance(functions, nn.Sequential):
         functions = list(functions.children())
@@ -140,6 +142,7 @@ def seeded(seed, build):
 # test_autograd.py, TestAutograd
 # ==========================================================================
 
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_checkpointing_non_reentrant_autocast_cpu(engine):
     """Port of ``test_checkpointing_non_reentrant_autocast_cpu``: three mm's
@@ -147,7 +150,7 @@ def test_checkpointing_non_reentrant_autocast_cpu(engine):
     backward rebuilds (no dtype mismatch in autograd); with autocast off
     they stay float32. Gradients equal the un-checkpointed run under the
     same autocast. PyTorch re-runs the function in backward; torch_sac's
-    engines do not (two dtype records: the plain run and forward).""" 
+    engines do not (two dtype records: the plain run and forward)."""
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(3, 3, generator=g) for _ in range(3)]
     for enabled in (True, False):
@@ -265,8 +268,9 @@ def test_checkpointing_without_reentrant_with_context_fn_forward(engine):
     it, so it sees the same."""
     x = torch.tensor(1.0, requires_grad=True)
     mode = VerboseTorchDispatchMode()
-    out = run(engine, lambda t: t.exp(), x,
-              ckpt=dict(context_fn=lambda: (mode, contextlib.nullcontext())))
+    out = run(
+        engine, lambda t: t.exp(), x, ckpt=dict(context_fn=lambda: (mode, contextlib.nullcontext()))
+    )
     assert mode.operators == ["exp.default"]
     out.backward()
     assert_tensors_equal(x.grad, x.detach().exp(), "x.grad")
@@ -281,8 +285,9 @@ def test_checkpointing_without_reentrant_with_context_fn_recompute(engine):
     same ops, and the function does run again there."""
     x = torch.tensor(1.0, requires_grad=True)
     mode = VerboseTorchDispatchMode()
-    out = run(engine, lambda t: t.exp(), x,
-              ckpt=dict(context_fn=lambda: (contextlib.nullcontext(), mode)))
+    out = run(
+        engine, lambda t: t.exp(), x, ckpt=dict(context_fn=lambda: (contextlib.nullcontext(), mode))
+    )
     assert mode.operators == []
     out.backward()
     assert mode.operators == ["exp.default", "detach.default"]
@@ -374,6 +379,7 @@ def _sin_cos_twice(counter):
         y = x.sin().cos()
         z = y.sin().cos()
         return y, z
+
     return fn
 
 
@@ -422,6 +428,7 @@ def test_checkpoint_graph_execution_group_overlapping(engine):
     groups PyTorch's recomputations; a region replays again for a second
     backward (README, "retain_graph=True replays again"): both run and the
     gradient is exactly twice the un-checkpointed one."""
+
     def fn(x):
         return x.sin().cos()
 
@@ -455,6 +462,7 @@ def _non_det_fn(orig_fn, recompute_fn, counter):
     def fn(x):
         counter[0] += 1
         return orig_fn(x) if counter[0] == 1 else recompute_fn(x)
+
     return fn
 
 
@@ -462,22 +470,48 @@ NULL = contextlib.nullcontext
 
 # (case, forward fn, recompute fn, checkpoint kwargs, context, PyTorch's error)
 NON_DET_CASES = [
-    ("fewer_saved", _save_3_tensors, _save_2_tensors, {}, NULL,
-     "A different number of tensors was saved"),
-    ("more_saved_no_early_stop", _save_2_tensors, _save_3_tensors, {},
-     lambda: tc.set_checkpoint_early_stop(False),
-     "trying to save more tensors during recomputation"),
+    (
+        "fewer_saved",
+        _save_3_tensors,
+        _save_2_tensors,
+        {},
+        NULL,
+        "A different number of tensors was saved",
+    ),
+    (
+        "more_saved_no_early_stop",
+        _save_2_tensors,
+        _save_3_tensors,
+        {},
+        lambda: tc.set_checkpoint_early_stop(False),
+        "trying to save more tensors during recomputation",
+    ),
     ("more_saved_early_stop", _save_2_tensors, _save_3_tensors, {}, NULL, None),
-    ("metadata", _save_2_tensors, _save_2_tensors_alt, {}, NULL,
-     "tensors have different metadata"),
-    ("debug", _save_2_tensors, _save_2_tensors_alt, {"debug": True}, NULL,
-     "You are seeing this error because you passed `debug=True` to checkpoint"),
-    ("debug_global_on", _save_2_tensors, _save_2_tensors_alt, {"debug": False},
-     lambda: tc.set_checkpoint_debug_enabled(True),
-     "You are seeing this error because you passed `debug=True` to checkpoint"),
-    ("debug_global_off", _save_2_tensors, _save_2_tensors_alt, {"debug": True},
-     lambda: tc.set_checkpoint_debug_enabled(False),
-     "Recomputed values for the following tensors have different"),
+    ("metadata", _save_2_tensors, _save_2_tensors_alt, {}, NULL, "tensors have different metadata"),
+    (
+        "debug",
+        _save_2_tensors,
+        _save_2_tensors_alt,
+        {"debug": True},
+        NULL,
+        "You are seeing this error because you passed `debug=True` to checkpoint",
+    ),
+    (
+        "debug_global_on",
+        _save_2_tensors,
+        _save_2_tensors_alt,
+        {"debug": False},
+        lambda: tc.set_checkpoint_debug_enabled(True),
+        "You are seeing this error because you passed `debug=True` to checkpoint",
+    ),
+    (
+        "debug_global_off",
+        _save_2_tensors,
+        _save_2_tensors_alt,
+        {"debug": True},
+        lambda: tc.set_checkpoint_debug_enabled(False),
+        "Recomputed values for the following tensors have different",
+    ),
 ]
 
 
@@ -556,8 +590,9 @@ def test_access_saved_tensor_twice_without_recomputation_works(engine):
     assert count[0] == expected_counts[1]
     d.sum().backward()
     assert count[0] == expected_counts[2]
-    with pytest.raises(RuntimeError,
-                       match="or directly access saved tensors after they have already been freed"):
+    with pytest.raises(
+        RuntimeError, match="or directly access saved tensors after they have already been freed"
+    ):
         d.grad_fn._saved_result
     assert_tensors_equal(a.grad, a.detach().exp(), "a.grad")
 
@@ -584,8 +619,9 @@ def test_checkpointing_without_reentrant(engine, input_requires_grad):
     200 inputs instead of the original's 2000 (a slowTest there)."""
     num_inp, nz_inp, nz_bottleneck = 200, 10, 1000
     torch.manual_seed(0)
-    module = _Holder(nn.Sequential(nn.Linear(nz_inp, nz_bottleneck), nn.ReLU(),
-                                   nn.Linear(nz_bottleneck, nz_inp)))
+    module = _Holder(
+        nn.Sequential(nn.Linear(nz_inp, nz_bottleneck), nn.ReLU(), nn.Linear(nz_bottleneck, nz_inp))
+    )
     module_copy = copy.deepcopy(module)
     feats, feats_ref = [], []
     g = torch.Generator().manual_seed(1)
@@ -750,7 +786,8 @@ class _MemModel(nn.Module):
         self.engine = engine
         self.layers = nn.ModuleList(
             nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256))
-            for _ in range(n))
+            for _ in range(n)
+        )
         # grads allocated up front: what grows is activations
         for p in self.parameters():
             p.grad = torch.ones_like(p)
@@ -784,8 +821,8 @@ def test_checkpointing_without_reentrant_memory_savings(engine):
         assert_tensors_equal(a, b, f"grad {i}")
 
 
-N_MM = 512                     # as the original: one N x N float32 tensor = 1 MiB
-MM_UNIT_FLOPS = 2 * N_MM ** 3  # one N x N matmul
+N_MM = 512  # as the original: one N x N float32 tensor = 1 MiB
+MM_UNIT_FLOPS = 2 * N_MM**3  # one N x N matmul
 MM_UNIT_BYTES = N_MM * N_MM * 4
 
 
@@ -835,12 +872,14 @@ def test_flops_and_mem_plain_checkpoint(engine):
 # test_autograd.py, TestNestedCheckpoint
 # ==========================================================================
 
+
 def grad_of(fn):
     def wrapper(x):
         with torch.enable_grad():
             out = fn(x)
             (grad_input,) = torch.autograd.grad(out, inputs=(x,), create_graph=True)
         return grad_input
+
     return wrapper
 
 
@@ -885,6 +924,7 @@ class _Handle:
 def nodes_still_alive(fn):
     """``check_graph_dies``: tag every node of ``fn``'s graph with an
     object and drop the output; names of nodes whose tag is still alive."""
+
     def scope():
         a = torch.randn((), requires_grad=True)
         out = fn(a)
@@ -970,6 +1010,7 @@ def test_nested_checkpoint_non_tensor_inputs_and_outputs(engine):
     """Port of ``test_nested_checkpoint_non_tensor_inputs_and_outputs``
     (both ``early_stop``): an int and a function among the arguments, an
     int and a str among the outputs; gradients equal the plain run's."""
+
     def fn(k, a, b, f):
         return f(k * a * b.exp()), 1, "abcd"
 
@@ -992,6 +1033,7 @@ def test_nested_checkpoint_non_tensor_inputs_and_outputs(engine):
 def test_nested_checkpoint_kwargs(engine):
     """Port of ``test_nested_checkpoint_kwargs`` (both ``early_stop``): a
     tensor passed by keyword gets its gradient through the checkpoint."""
+
     def fn(a, blah=None):
         out = a.sin().exp()
         if blah is not None:
@@ -1013,6 +1055,7 @@ def test_nested_checkpoint_same_graph(engine):
     """Port of ``test_nested_checkpoint_same_graph`` (both ``early_stop``):
     a hook registered on a node of the checkpoint's forward graph runs
     once in backward (backward runs on the original graph)."""
+
     def fn(a):
         return a.sin().cos().sin()
 
@@ -1021,7 +1064,9 @@ def test_nested_checkpoint_same_graph(engine):
         a = torch.tensor(1.0, requires_grad=True)
         with tc.set_checkpoint_early_stop(early_stop):
             out = run(engine, fn, a)
-        out.grad_fn.next_functions[0][0].register_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+        out.grad_fn.next_functions[0][0].register_hook(
+            lambda *_: counter.__setitem__(0, counter[0] + 1)
+        )
         out.backward()
         assert counter[0] == 1
         a_ref = leaf(a)
@@ -1037,6 +1082,7 @@ def test_nested_checkpoint_reentrant_backwards(engine):
     in progress. It runs; ``a.grad`` (both backward calls accumulated)
     equals the same scenario without checkpoint (the original only checks
     that it runs)."""
+
     def fn(a):
         x = a.sin().cos()
         return x, x.sin()
@@ -1067,13 +1113,13 @@ def test_nested_checkpoint_set_early_stop(engine):
     keyword and the context are accepted); gradients are exact."""
     # (early_stop= keyword or None, context value or None, PyTorch's count)
     configs = [
-        (None, None, 1),                      # the default: early stop on
+        (None, None, 1),  # the default: early stop on
         (False, None, 2),
         (True, None, 1),
-        (None, False, 2),                     # the context manager
+        (None, False, 2),  # the context manager
         (None, True, 1),
-        (False, (False, True), 1),            # nested contexts: innermost wins
-        (True, False, 2),                     # precedence: the context wins
+        (False, (False, True), 1),  # nested contexts: innermost wins
+        (True, False, 2),  # precedence: the context wins
         (False, True, 1),
     ]
     for early_stop, context, torch_count in configs:
@@ -1089,7 +1135,7 @@ def test_nested_checkpoint_set_early_stop(engine):
         ckpt = {} if early_stop is None else {"early_stop": early_stop}
         a = torch.tensor(1.0, requires_grad=True)
         with contextlib.ExitStack() as stack:
-            for value in ((context,) if isinstance(context, bool) else (context or ())):
+            for value in (context,) if isinstance(context, bool) else (context or ()):
                 stack.enter_context(tc.set_checkpoint_early_stop(value))
             out = run(engine, fn, a, ckpt=ckpt)
         out.backward()
@@ -1156,10 +1202,12 @@ def test_nested_checkpoint_set_early_stop_no_recompution_needed(engine):
 # test_utils.py, TestCheckpoint (non-reentrant)
 # ==========================================================================
 
+
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 20), nn.ReLU(),
-                         nn.Linear(20, 5), nn.ReLU())
+    return nn.Sequential(
+        nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 20), nn.ReLU(), nn.Linear(20, 5), nn.ReLU()
+    )
 
 
 def check_checkpoint_sequential(engine, model, module_lists_to_compare, num_chunks, input):
@@ -1220,12 +1268,14 @@ def test_checkpoint_valid(engine):
     input_var = torch.randn(1, 100, requires_grad=True)
     modules = list(model.children())
     out = model(input_var)
-    grads_ref = torch.autograd.grad(outputs=[out], grad_outputs=[torch.ones(1, 5)],
-                                    inputs=[input_var], create_graph=True)
+    grads_ref = torch.autograd.grad(
+        outputs=[out], grad_outputs=[torch.ones(1, 5)], inputs=[input_var], create_graph=True
+    )
     out_ckpt = sequential(engine, modules, 2, input_var)
     assert_tensors_equal(out_ckpt.detach(), out.detach(), "output")
-    grads = torch.autograd.grad(outputs=[out_ckpt], grad_outputs=[torch.ones(1, 5)],
-                                inputs=[input_var], create_graph=True)
+    grads = torch.autograd.grad(
+        outputs=[out_ckpt], grad_outputs=[torch.ones(1, 5)], inputs=[input_var], create_graph=True
+    )
     assert_tensors_equal(grads[0].detach(), grads_ref[0].detach(), "input grad")
     assert grads[0].requires_grad == grads_ref[0].requires_grad
 
@@ -1236,8 +1286,9 @@ def test_checkpoint(engine):
     ``checkpoint_sequential`` in two chunks, given as a list of modules and
     as the ``nn.Sequential`` itself, matches the un-checkpointed model."""
     model = _mlp()
-    check_checkpoint_sequential(engine, model, [list(model.children()), model], 2,
-                                torch.randn(1, 100, requires_grad=True))
+    check_checkpoint_sequential(
+        engine, model, [list(model.children()), model], 2, torch.randn(1, 100, requires_grad=True)
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -1245,6 +1296,7 @@ def test_checkpoint_module_list(engine):
     """Port of ``test_checkpoint_module_list`` (``use_reentrant=False``):
     as ``test_checkpoint`` with the layers in an ``nn.ModuleList`` (given as
     a list and as the ModuleList)."""
+
     class ModuleListNet(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1256,9 +1308,13 @@ def test_checkpoint_module_list(engine):
             return input
 
     model = ModuleListNet()
-    check_checkpoint_sequential(engine, model,
-                                [list(model.module_list.children()), model.module_list], 2,
-                                torch.randn(1, 100, requires_grad=True))
+    check_checkpoint_sequential(
+        engine,
+        model,
+        [list(model.module_list.children()), model.module_list],
+        2,
+        torch.randn(1, 100, requires_grad=True),
+    )
 
 
 def test_checkpoint_sequential_deprecated_multiple_args():
@@ -1266,6 +1322,7 @@ def test_checkpoint_sequential_deprecated_multiple_args():
     ``checkpoint_sequential`` takes one input; a second positional tensor
     ends in a ``TypeError`` (in PyTorch it lands in ``use_reentrant`` and
     the module then misses its second argument), for both."""
+
     class Two(nn.Module):
         def forward(self, a, b):
             return a, b
@@ -1282,6 +1339,7 @@ def test_checkpoint_sequential_deprecated_multiple_args():
 def test_checkpoint_sequential_deprecated_no_args():
     """Port of ``test_checkpoint_sequential_deprecated_no_args``: no input
     is a ``TypeError``, for both."""
+
     class Noop(nn.Module):
         def forward(self):
             pass
@@ -1343,6 +1401,7 @@ def test_checkpoint_not_preserve_rng_state_and_without_reentrant(engine):
 def test_checkpoint_non_tensor(engine):
     """Non-reentrant port of ``test_checkpoint_non_tensor``: ``None`` among
     the arguments."""
+
     def run_fn(tensor1, tensor2):
         if tensor2 is None:
             return tensor1
@@ -1411,6 +1470,7 @@ def test_checkpoint_partial_grad(engine):
     does is unused) is not an error at checkpoint time (the reentrant
     variant raises there), and backward from it raises autograd's usual
     error."""
+
     def run_fn(tensor1, tensor2):
         return tensor1, tensor2
 
@@ -1440,16 +1500,17 @@ def _early_free_stats(run_backward):
         def hook(_unused):
             assert len(stats) == idx
             stats.append(_cpu_bytes()["allocated"])
+
         x.register_hook(hook)
 
     def test_fn(x):
-        x = x ** 2
+        x = x**2
         track(x, 2)
-        x = x ** 2
+        x = x**2
         track(x, 1)
-        x = x ** 2
+        x = x**2
         track(x, 0)
-        x = x ** 2
+        x = x**2
         return x.sum()
 
     run_backward(test_fn)
@@ -1478,8 +1539,7 @@ def test_checkpointing_without_reentrant_early_free(engine):
         return [a - b for a, b in zip(stats, stats[1:])]
 
     for retain in (False, True):
-        stats = _early_free_stats(
-            lambda fn: run(engine, fn, x).backward(retain_graph=retain))
+        stats = _early_free_stats(lambda fn: run(engine, fn, x).backward(retain_graph=retain))
         assert stats[0] > stats[1] > stats[2], (retain, stats)
         if reruns_python(engine):
             assert steps(stats) == steps(plain), (retain, stats, plain)
@@ -1490,6 +1550,7 @@ def test_checkpointing_without_reentrant_early_free(engine):
 # ==========================================================================
 # test/distributed/_composable/test_checkpoint.py (CPU cases), function-level
 # ==========================================================================
+
 
 class ToyModel(nn.Module):
     def __init__(self):
@@ -1589,8 +1650,12 @@ def test_composable_multi_args(engine):
     """Port of composable ``test_multi_args`` (non-reentrant): checkpointed
     modules returning a tuple, whose outputs feed a module taking a tuple;
     gradients equal the un-checkpointed copy's."""
-    net1 = seeded(0, lambda: nn.Sequential(MultiOutputModel(), MultiInputModel(),
-                                           MultiOutputModel(), MultiInputModel()))
+    net1 = seeded(
+        0,
+        lambda: nn.Sequential(
+            MultiOutputModel(), MultiInputModel(), MultiOutputModel(), MultiInputModel()
+        ),
+    )
     net2 = copy.deepcopy(net1)
     net2[0] = Checkpointed(net2[0], engine)
     net2[2] = Checkpointed(net2[2], engine)
@@ -1732,18 +1797,30 @@ def test_composable_checkpoint_kwargs_context_fn(engine):
     m1, m2, m3 = (copy.deepcopy(m) for _ in range(3))
     x = torch.randn(1, 2, requires_grad=True)
 
-    run(engine, m1, x.clone(),
-        ckpt=dict(context_fn=lambda: (lifted(m1, "fwd"), lifted(m1, "recomp")))).sum().backward()
+    run(
+        engine,
+        m1,
+        x.clone(),
+        ckpt=dict(context_fn=lambda: (lifted(m1, "fwd"), lifted(m1, "recomp"))),
+    ).sum().backward()
     assert handled == {"fwd": True, "recomp": True}
 
     with pytest.raises(RuntimeError, match="foo"):
-        run(engine, m2, x.clone(),
-            ckpt=dict(context_fn=lambda: (contextlib.nullcontext(), lifted(m2, "recomp"))))
+        run(
+            engine,
+            m2,
+            x.clone(),
+            ckpt=dict(context_fn=lambda: (contextlib.nullcontext(), lifted(m2, "recomp"))),
+        )
 
     handled["fwd"] = False
     with pytest.raises(RuntimeError, match="bar"):
-        run(engine, m3, x.clone(),
-            ckpt=dict(context_fn=lambda: (lifted(m3, "fwd"), contextlib.nullcontext()))).sum().backward()
+        run(
+            engine,
+            m3,
+            x.clone(),
+            ckpt=dict(context_fn=lambda: (lifted(m3, "fwd"), contextlib.nullcontext())),
+        ).sum().backward()
     assert handled["fwd"]
 
 
@@ -1808,6 +1885,7 @@ def test_composable_checkpoint_kwargs_preserve_rng_state(engine):
 # torch_sac.checkpoint as a replacement of torch.utils.checkpoint.checkpoint
 # ==========================================================================
 
+
 def test_signature_takes_torch_keywords():
     """``torch_sac.checkpoint`` and ``checkpoint_sequential`` take every
     parameter of PyTorch's, with PyTorch's defaults (``context_fn``: a no-op
@@ -1835,8 +1913,11 @@ def test_selective_context_fn_runs_the_region(create, form):
     ``test_flops_and_mem``'s ``fn_sac``, or a lambda):
     ``torch_sac.checkpoint`` runs that policy on the region engine, so the
     function runs once, and gradients are exact."""
-    factory = (tc.create_selective_checkpoint_contexts if create == "torch"
-               else torch_sac.create_selective_checkpoint_contexts)
+    factory = (
+        tc.create_selective_checkpoint_contexts
+        if create == "torch"
+        else torch_sac.create_selective_checkpoint_contexts
+    )
     count = [0]
 
     def fn(x, y):

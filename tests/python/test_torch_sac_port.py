@@ -101,7 +101,7 @@ def grads_of(out, inputs):
 # test_flops_and_mem
 # ==========================================================================
 
-N = 512                         # as the original: one N x N float32 tensor = 1 MiB
+N = 512  # as the original: one N x N float32 tensor = 1 MiB
 UNIT = N * N * 4
 
 
@@ -110,7 +110,9 @@ def mm_fn(x, y):
 
 
 def mm_policy_enum(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    return (
+        CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def mm_policy_bool(ctx, op, *args, **kwargs):
@@ -134,8 +136,10 @@ FLOPS_MEM_CASES = [
 @pytest.fixture(scope="module")
 def mm_inputs():
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(N, N, generator=g, requires_grad=True),
-            torch.randn(N, N, generator=g, requires_grad=True))
+    return (
+        torch.randn(N, N, generator=g, requires_grad=True),
+        torch.randn(N, N, generator=g, requires_grad=True),
+    )
 
 
 def _flops_mem_step(engine, policy, x, y):
@@ -159,7 +163,7 @@ def test_flops_and_mem_activation_memory(engine, case, mm_inputs):
     name, policy, act_units, _ = case
     x, y = mm_inputs
     torch_sac.memory.install_counting_allocator()
-    _flops_mem_step(engine, policy, x, y).backward()     # warm-up, as the original
+    _flops_mem_step(engine, policy, x, y).backward()  # warm-up, as the original
     x.grad = y.grad = None
     gc.collect()
     with torch_sac.memory.track() as fwd:
@@ -179,7 +183,7 @@ def _bw_flop_units(engine, policy, x, y):
     with FlopCounterMode(display=False) as mode:
         out.backward()
     x.grad = y.grad = None
-    return mode.get_total_flops() / (N ** 3 * 2)
+    return mode.get_total_flops() / (N**3 * 2)
 
 
 @pytest.mark.parametrize("engine", CKPT_ENGINES)
@@ -208,7 +212,7 @@ def test_flops_and_mem_recompute_counts(case, mm_inputs):
 
     rec = RecordingContextFn("contexts", lambda: policy)
     tc.checkpoint(mm_fn, x, y, use_reentrant=False, context_fn=rec).backward()
-    (fwd, recompute), = rec.pairs
+    ((fwd, recompute),) = rec.pairs
     mm_row = [r for r in recompute.op_summary() if r[0] == "aten::mm.default"][0]
     assert mm_row[1:] == ((1, 0, 0) if mm_saved else (0, 1, 1)), mm_row
     assert recompute.stats()["cache_hits"] == (1 if mm_saved else 0)
@@ -220,12 +224,15 @@ def test_flops_and_mem_recompute_counts(case, mm_inputs):
     x.grad = y.grad = None
     rows = {d["op"]: d for d in region.op_details()}
     mm = rows["aten::mm.default"]
-    assert (mm["saved"], mm["dropped"], mm["replayed"]) == ((1, 0, 0) if mm_saved else (0, 1, 1)), mm
+    assert (mm["saved"], mm["dropped"], mm["replayed"]) == ((1, 0, 0) if mm_saved else (0, 1, 1)), (
+        mm
+    )
 
 
 # ==========================================================================
 # test_output_already_has_autograd_meta
 # ==========================================================================
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_output_already_has_autograd_meta(engine):
@@ -233,6 +240,7 @@ def test_output_already_has_autograd_meta(engine):
     view of an int64 tensor (a view of a non-differentiable tensor still
     gets AutogradMeta); backward through the float output must work and be
     correct."""
+
     def fn(a, b):
         return a.view(-1), b.sin().cos()
 
@@ -249,6 +257,7 @@ def test_output_already_has_autograd_meta(engine):
 # test_subclass_dispatching_sizes
 # ==========================================================================
 
+
 @pytest.mark.parametrize("engine", CKPT_ENGINES)
 def test_subclass_dispatching_sizes(engine):
     """Port of ``test_subclass_dispatching_sizes``: a policy that asks to
@@ -261,7 +270,7 @@ def test_subclass_dispatching_sizes(engine):
 
     def policy(ctx, op, *args, **kwargs):
         if op is aten.sym_size.default:
-            return CheckpointPolicy.MUST_SAVE   # must be silently ignored
+            return CheckpointPolicy.MUST_SAVE  # must be silently ignored
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def fn(t):
@@ -272,7 +281,7 @@ def test_subclass_dispatching_sizes(engine):
     x = torch.randn(4, 3, requires_grad=True)
     out = run_ckpt(engine, fn, SizesDispatchingTensor(x), policy=policy)
     out.sum().backward()
-    assert sizes_seen == [[12], [12]], sizes_seen   # forward and recompute
+    assert sizes_seen == [[12], [12]], sizes_seen  # forward and recompute
 
 
 _SUBCLASS_REGION_SCRIPT = textwrap.dedent(
@@ -305,8 +314,13 @@ def test_subclass_in_region_is_exact():
     region held its lock to pack it, re-entered the region).
     """
     try:
-        proc = subprocess.run([sys.executable, "-c", _SUBCLASS_REGION_SCRIPT], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=12)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SUBCLASS_REGION_SCRIPT],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=12,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the region hung (deadlock) instead of raising")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -318,6 +332,7 @@ def test_subclass_in_region_is_exact():
 # ==========================================================================
 # test_bad_inputs
 # ==========================================================================
+
 
 @pytest.mark.parametrize("engine", CKPT_ENGINES)
 def test_bad_inputs_non_op_in_list(engine):
@@ -338,7 +353,7 @@ def test_bad_inputs_packet_in_list():
     rec = RecordingContextFn("contexts", lambda: [aten.sin])
     x = torch.randn(3, requires_grad=True)
     tc.checkpoint(lambda t: t.sin().sin(), x, use_reentrant=False, context_fn=rec).sum().backward()
-    (fwd, recompute), = rec.pairs
+    ((fwd, recompute),) = rec.pairs
     assert fwd.stats()["saved_ops"] == 2
     assert_tensors_equal(x.grad, (x.detach().sin().cos() * x.detach().cos()), "x.grad")
 
@@ -365,6 +380,7 @@ def test_bad_inputs_region():
 # ==========================================================================
 # test_policy_with_state
 # ==========================================================================
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_policy_with_state(engine):
@@ -412,11 +428,13 @@ def test_policy_with_state(engine):
 # test_storage_lifetime
 # ==========================================================================
 
+
 def _exp_then_sin(refs):
     def fn(t):
         e = t.cos().exp()
         refs.append(StorageWeakRef(e.untyped_storage()))
         return e.sin()
+
     return fn
 
 
@@ -430,7 +448,9 @@ def test_storage_lifetime_graph_dropped_without_backward(engine, gc_disabled):
     tensor's storage is watched with a weak reference."""
     refs = []
     x = torch.randn(3, requires_grad=True)
-    out = run_ckpt(engine, _exp_then_sin(refs), x, policy=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    out = run_ckpt(
+        engine, _exp_then_sin(refs), x, policy=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE
+    )
     assert not refs[0].expired(), "cached exp output not kept while the graph lives"
     del out
     assert refs[0].expired(), "cached exp output outlived the graph (reference cycle?)"
@@ -448,7 +468,9 @@ def test_storage_lifetime_after_backward_retain_graph(engine, gc_disabled):
     see ``test_storage_lifetime_region_after_backward``."""
     refs = []
     x = torch.randn(3, requires_grad=True)
-    out = run_ckpt(engine, _exp_then_sin(refs), x, policy=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    out = run_ckpt(
+        engine, _exp_then_sin(refs), x, policy=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE
+    )
     assert not refs[0].expired()
     out.sum().backward(retain_graph=True)
     assert refs[0].expired(), "cached exp output still alive after backward(retain_graph=True)"
@@ -477,6 +499,7 @@ def test_storage_lifetime_region_after_backward(gc_disabled):
 # ==========================================================================
 # test_version_counter
 # ==========================================================================
+
 
 def _sin_mul_cos_exp(t):
     return t.sin().mul_(2).cos().exp()
@@ -546,7 +569,9 @@ def test_version_counter_mutated_after_forward(engine):
                 out.sum().backward()
             if eng == "contexts":
                 assert "sin" in str(excinfo.value), str(excinfo.value)
-    assert_tensors_equal(grads[engine], grads["torch"], "x.grad with allow_cache_entry_mutation=True")
+    assert_tensors_equal(
+        grads[engine], grads["torch"], "x.grad with allow_cache_entry_mutation=True"
+    )
 
 
 def test_version_counter_region():
@@ -562,14 +587,16 @@ def test_version_counter_region():
     _sin_mul_cos_exp(x_ref).sum().backward()
     for allow in (False, True):
         x.grad = None
-        torch_sac.checkpoint(_sin_mul_cos_exp, x, policy=policy,
-                             allow_cache_entry_mutation=allow).sum().backward()
+        torch_sac.checkpoint(
+            _sin_mul_cos_exp, x, policy=policy, allow_cache_entry_mutation=allow
+        ).sum().backward()
         assert_tensors_equal(x.grad, x_ref.grad, f"x.grad allow={allow}")
 
 
 # ==========================================================================
 # test_function_with_more_than_one_output
 # ==========================================================================
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_function_with_more_than_one_output(engine):
@@ -622,8 +649,9 @@ def _sin_with_extra_backward(ctx, grad, _unused):
     return grad * x.cos()
 
 
-torch.library.register_autograd("torch_sac_port::sin_with_extra", _sin_with_extra_backward,
-                                setup_context=_sin_with_extra_setup)
+torch.library.register_autograd(
+    "torch_sac_port::sin_with_extra", _sin_with_extra_backward, setup_context=_sin_with_extra_setup
+)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -650,6 +678,7 @@ def test_function_with_non_tensor_output(engine):
 # ==========================================================================
 # test_can_only_trigger_recompute_once
 # ==========================================================================
+
 
 def _sin_cos_exp(t):
     return t.sin().cos().exp()
@@ -698,6 +727,7 @@ def test_cpu_offload_policy(engine, value):
     recompute, which the control checks: exact gradients). torch_sac
     raises ``NotImplementedError`` on purpose (README, "Differences from
     PyTorch, on purpose"), asserted for both torch_sac engines."""
+
     def policy(ctx, op, *args, **kwargs):
         return value if op is aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -719,6 +749,7 @@ def test_cpu_offload_policy(engine, value):
 # ==========================================================================
 # Eager versions of test/dynamo/test_activation_checkpointing.py scenarios
 # ==========================================================================
+
 
 def _grads_vs_plain(engine, fn, inputs, policy, seed=0, **ckpt_kwargs):
     """Checkpointed vs plain run of ``fn`` on clones of ``inputs`` with the
@@ -755,7 +786,9 @@ def test_selective_checkpoint_random_op(engine):
     if engine == "contexts":
         rec = RecordingContextFn("contexts", lambda: policy)
         xi = x.clone().requires_grad_(True)
-        tc.checkpoint(_sigmoid_dropout_sigmoid, xi, use_reentrant=False, context_fn=rec).sum().backward()
+        tc.checkpoint(
+            _sigmoid_dropout_sigmoid, xi, use_reentrant=False, context_fn=rec
+        ).sum().backward()
         rows = {r[0]: r[1:] for r in rec.pairs[0][1].op_summary()}
         assert rows["aten::sigmoid.default"][2] == 0, rows
         # On CPU dropout reaches the dispatcher as empty_like/bernoulli_/div_/mul.
@@ -781,8 +814,13 @@ def test_selective_checkpoint_random_op_no_preserve_rng(engine):
     for eng in ("torch", engine):
         xi = x.clone().requires_grad_(True)
         torch.manual_seed(0)
-        run_ckpt(eng, _sigmoid_dropout_sigmoid, xi, policy=save_only(aten.sigmoid.default),
-                 preserve_rng_state=False).sum().backward()
+        run_ckpt(
+            eng,
+            _sigmoid_dropout_sigmoid,
+            xi,
+            policy=save_only(aten.sigmoid.default),
+            preserve_rng_state=False,
+        ).sum().backward()
         grads[eng] = xi.grad
     assert_tensors_equal(grads[engine], grads["torch"], "x.grad vs PyTorch SAC")
 
@@ -792,6 +830,7 @@ def test_selective_checkpoint_outplace_op(engine):
     """Eager version of ``test_compile_selective_checkpoint_outplace_op``
     (dynamo): mm and sigmoid saved, selu/relu recomputed; checkpointed and
     original functions give the same output and gradients."""
+
     def gn(a, b):
         return torch.sigmoid(torch.selu(torch.matmul(torch.matmul(a, b), b))).relu()
 
@@ -805,6 +844,7 @@ def test_selective_checkpoint_list_ops(engine):
     """Eager version of ``test_compile_selective_checkpoint_list_ops``
     (dynamo): ``cat`` of a tensor list under a recompute-everything policy
     (an empty save list), same output and gradients as without checkpoint."""
+
     def gn(a, b):
         return torch.cat([a, b]).sin()
 
@@ -819,6 +859,7 @@ def test_selective_checkpoint_parametrization(engine):
     (dynamo): a weight parametrization ``sigmoid(w * w)`` checkpointed with
     a policy that MUST_RECOMPUTEs mul/sigmoid and MUST_SAVEs the rest; the
     model's output and input gradient match the un-checkpointed model."""
+
     def policy(ctx, op, *args, **kwargs):
         if op in (aten.mul.Tensor, aten.sigmoid.default):
             return CheckpointPolicy.MUST_RECOMPUTE
@@ -841,7 +882,9 @@ def test_selective_checkpoint_parametrization(engine):
     def build(checkpointed):
         torch.manual_seed(5)
         lin = nn.Linear(16, 16, bias=False)
-        nn.utils.parametrize.register_parametrization(lin, "weight", Param(checkpointed), unsafe=True)
+        nn.utils.parametrize.register_parametrization(
+            lin, "weight", Param(checkpointed), unsafe=True
+        )
         return lin
 
     inp = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
