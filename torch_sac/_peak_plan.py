@@ -37,6 +37,7 @@ the peak asked).
 import contextlib
 import ctypes
 import functools
+import gc
 import numbers
 import threading
 import time
@@ -564,6 +565,17 @@ def _device_of(values):
     return None
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
     """One forward+backward of fn, its peak measured on ``device``; the RNG
     state of the CPU and of the CUDA devices in use is restored after it."""
@@ -574,7 +586,17 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         rng_devices.update(range(torch.cuda.device_count()))
     rng_devices = sorted(rng_devices)
     region = None
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad(), memory.track(device) as m:
+    # Garbage from before the run is collected first and none during it: a
+    # collection in the middle frees tensors counted in the starting level and
+    # lowers the measured peak, so two runs of the same plan would measure
+    # different peaks and a least peak stated by one could miss in the next.
+    gc.collect()
+    with (
+        _gc_paused(),
+        torch.random.fork_rng(devices=rng_devices),
+        torch.enable_grad(),
+        memory.track(device) as m,
+    ):
         start = time.perf_counter()
         if policy is None:
             out = fn(*args, **kwargs)
