@@ -586,11 +586,11 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         rng_devices.update(range(torch.cuda.device_count()))
     rng_devices = sorted(rng_devices)
     region = None
-    # Garbage from before the run is collected first and none during it: a
-    # collection in the middle frees tensors counted in the starting level and
-    # lowers the measured peak, so two runs of the same plan would measure
-    # different peaks and a least peak stated by one could miss in the next.
-    gc.collect()
+    # No garbage collection during the run: a collection in the middle frees
+    # tensors counted in the starting level and lowers the measured peak, so
+    # two runs of the same plan would measure different peaks and a least peak
+    # stated by one could miss in the next. (No full collection before it
+    # either: with a large heap that costs more than a small step.)
     with (
         _gc_paused(),
         torch.random.fork_rng(devices=rng_devices),
