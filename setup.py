@@ -19,8 +19,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-# A fixed build tree: scripts/run_tests.sh runs the GoogleTest binary from here
-# and rebuilds stay incremental.
+# A fixed build tree: CTest runs the two GoogleTest binaries from here and
+# rebuilds stay incremental.
 BUILD_DIR = ROOT / "build" / "cmake"
 
 
