@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The memory-budget policy (torch_sac.policies.budget): solver time, and the
+"""The memory-budget policy (torch_sac.policies.budget_for_region): solver time, and the
 activation-memory / step-time trade-off it buys on a GPT-style model.
 
 Part 1, solver time. The C++ solver on instances of 100, 1,000, 2,000 and 10,000 op
@@ -25,7 +25,7 @@ exact's (exact is optimal).
 Part 2, memory / step time. A stack of pre-LN GPT blocks (tests/python/models.py
 ``GPTBlock``: attention written out with matmuls, softmax, dropout, GELU MLP,
 in-place residual adds), each block checkpointed on its own: by default in a
-``torch_sac.sac_context(policy)`` region (``--engine contexts``: with
+``torch_sac.sac_context(policy)`` region (``--engine dropin``: with
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)``
 and ``torch_sac.create_selective_checkpoint_contexts``):
 
@@ -34,7 +34,7 @@ and ``torch_sac.create_selective_checkpoint_contexts``):
   (``torch.utils.checkpoint``, recompute everything), the target's baseline;
 * ``recompute_all``: full checkpointing with torch_sac's engine;
 * ``save_matmuls``: save mm/addmm/bmm outputs (torchtitan-style);
-* ``budget f``: ``torch_sac.policies.budget(block, x, fraction=f)``, the plan
+* ``budget f``: ``torch_sac.policies.budget_for_region(block, (x,), fraction=f)``, the plan
   made once from block 0 and used for every block;
 * ``budget @50% model``: the per-block budget chosen so the whole model keeps
   at most 50% of the un-checkpointed activation memory, including the block
@@ -259,7 +259,8 @@ def make_input(args):
 
 
 # How each block is checkpointed with a policy: "region" (torch_sac.sac_context)
-# or "contexts" (torch.utils.checkpoint + torch_sac's drop-in contexts).
+# or "dropin" (torch.utils.checkpoint + torch_sac's drop-in contexts): the
+# engine names of apply_sac(engine=...).
 ENGINE = "region"
 TORCH_CHECKPOINT = "torch checkpoint"  # sentinel policy: torch.utils.checkpoint, full recompute
 
@@ -325,7 +326,9 @@ def bench_tradeoff(args, fractions):
     x = make_input(args)
     block_x = x.detach().clone().requires_grad_(True)
     t0 = time.perf_counter()
-    plan = torch_sac.policies.budget(model[0], block_x, fraction=1.0, repeats=args.repeats)
+    plan = torch_sac.policies.budget_for_region(
+        model[0], (block_x,), fraction=1.0, repeats=args.repeats
+    )
     profile_s = time.perf_counter() - t0
     configs = [
         ("no checkpoint", None),
@@ -457,7 +460,9 @@ def main():
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
         "--engine",
-        choices=("region", "contexts"),
+        # "contexts": the drop-in's former name.
+        type=lambda name: "dropin" if name == "contexts" else name,
+        choices=("region", "dropin"),
         default="region",
         help="how blocks are checkpointed with a policy: torch_sac.sac_context (default) or "
         "torch.utils.checkpoint with torch_sac's drop-in contexts",

@@ -25,7 +25,7 @@ plans, which are one region around the whole step):
 * torch_sac drop-in: ``torch.utils.checkpoint`` with
   ``context_fn=partial(torch_sac.create_selective_checkpoint_contexts, save_matmuls())``;
 * ``torch_sac.apply_sac(model, save_matmuls())``;
-* peak plans ``torch_sac.policies.budget(step, peak_bytes=P)`` at 0.5x and
+* peak plans ``torch_sac.policies.plan_peak(step, peak_bytes=P)`` at 0.5x and
   0.25x of no checkpointing's step peak (above the memory allocated before
   the step); a plan the planner refuses shows its reason in the row.
 
@@ -564,7 +564,7 @@ def bench_model(args, dev, name, spec, deadline):
         log(f"[{name}] planning {row.name}: target {fmt_bytes(target)}")
         t = time.perf_counter()
         try:
-            row.plan = torch_sac.policies.budget(b.loss, peak_bytes=target)
+            row.plan = torch_sac.policies.plan_peak(b.loss, peak_bytes=target)
             row.plan_target = target
             plan_seconds = time.perf_counter() - t
             row.note = (

@@ -13,7 +13,7 @@ training step each (forward + backward), variants:
       bisection on measured peaks);
   (e) the same at half of (c)'s peak (when the region with a zero budget
       fits under it);
-  (f) torch_sac.policies.budget(step, peak_bytes=...) at (c)'s peak and at
+  (f) torch_sac.policies.plan_peak(step, peak_bytes=...) at (c)'s peak and at
       half of it: the peak plan (forward keeps the first sweep of the
       optimal reversal, backward runs under a budget counting it), run as
       planned: one sac_context(plan) around the whole step.
@@ -120,7 +120,7 @@ def peak_plan(blocks, x, target_peak):
     xin = x.clone().requires_grad_()
     torch.manual_seed(1)
     try:
-        return torch_sac.policies.budget(
+        return torch_sac.policies.plan_peak(
             lambda: blocks(xin).square().mean(),
             peak_bytes=target_peak - x.numel() * x.element_size(),
         )
@@ -312,11 +312,11 @@ def solve_times(args):
         def fn():
             return blocks(xin).square().mean()
 
-        plain = torch_sac.policies.budget(fn, peak_bytes=1 << 40).no_checkpoint_peak
+        plain = torch_sac.policies.plan_peak(fn, peak_bytes=1 << 40).no_checkpoint_peak
         with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
             fn()
         calls = region.stats()["policy_calls"]
-        plan = torch_sac.policies.budget(fn, peak_bytes=int(plain * 0.4))
+        plan = torch_sac.policies.plan_peak(fn, peak_bytes=int(plain * 0.4))
         print(
             f"{n:>6} {calls:>9} {plan.solve_seconds * 1e3:>9.2f} {plan.solver:<17} "
             f"{plan.planning_runs:>5} {plan.measure_seconds:>10.2f} "

@@ -4,8 +4,9 @@ A small Llama built from a config with random weights (nothing is
 downloaded), a few training steps each:
 
 1. ``apply_sac(model, save_matmuls())``: every decoder layer in a region;
-2. ``apply_sac(model, budget(model, ids, fraction=0.5, ...))``: a plan made
-   from one real call of the model, one per distinct layer;
+2. ``apply_sac(model, budget_for_model(model, (), {"input_ids": ids, ...},
+   fraction=0.5))``: a plan made from one real call of the model, one per
+   distinct layer;
 3. Hugging Face's own route: ``model.activation_checkpointing_enable(...)``
    with torch_sac's contexts as ``context_fn`` (transformers 5.x; 4.x calls
    it ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``).
@@ -83,7 +84,10 @@ def main():
             m, torch_sac.policies.save_matmuls()
         ),
         "apply_sac budget 50%": lambda m: torch_sac.apply_sac(
-            m, torch_sac.policies.budget(m, input_ids=batch(0), use_cache=False, fraction=0.5)
+            m,
+            torch_sac.policies.budget_for_model(
+                m, example_kwargs={"input_ids": batch(0), "use_cache": False}, fraction=0.5
+            ),
         ),
         "HF activation_checkpointing_enable": lambda m: m.activation_checkpointing_enable(
             activation_checkpointing_kwargs={

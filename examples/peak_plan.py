@@ -2,7 +2,7 @@
 """Train a model whose step must fit a peak-memory budget, with one region
 around the whole step and no block boundaries chosen by hand.
 
-``torch_sac.policies.budget(step, peak_bytes=...)`` measures the step and
+``torch_sac.policies.plan_peak(step, peak_bytes=...)`` measures the step and
 plans what forward keeps and how backward rebuilds (multiple recomputation)
 so that the step's forward+backward peak fits. The script plans a TinyGPT
 step at a fraction of its no-checkpointing peak, prints the plan, saves and
@@ -48,9 +48,9 @@ def main():
         return torch.nn.functional.cross_entropy(m(tokens).flatten(0, 1), targets.flatten())
 
     # The budget: a fraction of what the step peaks at without checkpointing.
-    no_checkpointing = torch_sac.policies.budget(lambda: loss_of(model), peak_bytes=1 << 40)
+    no_checkpointing = torch_sac.policies.plan_peak(lambda: loss_of(model), peak_bytes=1 << 40)
     peak_bytes = int(no_checkpointing.no_checkpoint_peak * args.fraction)
-    plan = torch_sac.policies.budget(lambda: loss_of(model), peak_bytes=peak_bytes)
+    plan = torch_sac.policies.plan_peak(lambda: loss_of(model), peak_bytes=peak_bytes)
     print(plan.table(max_rows=8))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "plan.json")

@@ -7,14 +7,15 @@ Modules import only modules of lower layers (docs/design/layers.md;
 ``scripts/check_import_cycles.py`` checks the graph has no cycle):
 
 1. state: ``_C``, ``_compat``, ``_adapter``, ``policy``, ``_state``,
-   ``_ignored_ops``, ``_budget_types``, ``_build_info``
+   ``_ignored_ops``, ``_budget_types``, ``_engines``, ``_build_info``
 2. utilities: ``_modes``, ``_compile``, ``_fsdp``, ``scopes``, ``memory``,
    ``schedule``, ``_op_profile``, ``_blocks``, ``models``
 3. policy conversion: ``_torch_policy``, ``_policy_conversion``
 4. engines: ``contexts`` (the drop-in), ``region``, ``checkpointing``
-5. planners: ``_peak_plan``, ``_budget``
-6. front doors: ``policies``, ``apply``, ``profiler``, ``cli``, ``demo``,
-   this package
+5. planners: ``_peak_plan``, ``_budget`` (``budget_for_region``,
+   ``budget_for_model``, ``plan_peak``)
+6. front doors: ``policies`` (the built-in policies and the planners),
+   ``apply``, ``profiler``, ``cli``, ``demo``, this package
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

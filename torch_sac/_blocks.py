@@ -1,5 +1,5 @@
 """Which modules of a model are its blocks: what ``apply_sac`` wraps and
-what ``policies.budget`` plans per block. Knows nothing of the engines."""
+what ``policies.budget_for_model`` plans per block. Knows nothing of the engines."""
 
 import collections
 import sys

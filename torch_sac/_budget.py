@@ -1,17 +1,31 @@
 """The memory-budget policy: profile a region once, then choose in C++ which op
 outputs to keep so the recompute cost avoided is as large as possible."""
 
+from __future__ import annotations
+
+import difflib
+import inspect
 import math
 import numbers
+from typing import Any, Callable, Sequence
 
 import torch
 
 from . import _C
 from ._blocks import find_blocks, select_blocks
-from ._op_profile import format_bytes, profile_region
-from ._peak_plan import plan_for_peak
+from ._op_profile import RegionProfile, format_bytes, profile_region
+from ._peak_plan import PeakPlan, plan_for_peak
 
-__all__ = ["budget", "BudgetPolicy", "ModelBudget", "PlanItem", "PlanRow"]
+__all__ = [
+    "budget",
+    "budget_for_model",
+    "budget_for_region",
+    "plan_peak",
+    "BudgetPolicy",
+    "ModelBudget",
+    "PlanItem",
+    "PlanRow",
+]
 
 _COSTS = ("time", "flops")
 _SOLVERS = ("auto", "exact", "greedy")
@@ -22,7 +36,17 @@ class PlanItem:
 
     __slots__ = ("op", "call_index", "cost", "bytes", "new_bytes", "saveable", "why_not", "saved")
 
-    def __init__(self, op, call_index, cost, bytes, new_bytes, saveable, why_not, saved):
+    def __init__(
+        self,
+        op: torch._ops.OpOverload,
+        call_index: int,
+        cost: float,
+        bytes: int,
+        new_bytes: int,
+        saveable: bool,
+        why_not: str,
+        saved: bool,
+    ) -> None:
         self.op = op  # OpOverload
         self.call_index = call_index  # per op overload, within the region
         self.cost = cost  # recompute cost (seconds or FLOPs)
@@ -33,7 +57,7 @@ class PlanItem:
         self.saved = saved  # MUST_SAVE in the plan
 
     @property
-    def key(self):
+    def key(self) -> tuple[torch._ops.OpOverload, int]:
         return (self.op, self.call_index)
 
     def __repr__(self):
@@ -55,7 +79,9 @@ class PlanRow:
 
     __slots__ = ("item", "folded", "cost", "value", "bytes")
 
-    def __init__(self, item, folded, cost, value, bytes):
+    def __init__(
+        self, item: PlanItem, folded: list[PlanItem], cost: float, value: float, bytes: int
+    ) -> None:
         self.item = item  # PlanItem of the call that allocated the storage
         self.folded = folded  # PlanItems of the views / in-place ops using it
         self.cost = cost  # recompute cost of item and folded calls
@@ -63,11 +89,11 @@ class PlanRow:
         self.bytes = bytes  # bytes of the region storages the calls keep
 
     @property
-    def calls(self):
+    def calls(self) -> list[PlanItem]:
         return [self.item, *self.folded]
 
     @property
-    def saved_calls(self):
+    def saved_calls(self) -> int:
         return sum(it.saved for it in self.calls)
 
     def __repr__(self):
@@ -191,7 +217,8 @@ def _check_choice(value, choices, name, where):
 class BudgetPolicy(_C.SavedCallsPolicy):
     """A memory-budget plan: saves the chosen op calls, recomputes the rest.
 
-    Made by :func:`torch_sac.policies.budget`. Decided in C++ by
+    Made by :func:`torch_sac.policies.budget_for_region` (and per block by
+    :func:`~torch_sac.policies.budget_for_model`). Decided in C++ by
     (op overload, call index within the region), with no Python call per op;
     accepted wherever torch_sac takes a policy.
 
@@ -222,7 +249,14 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             ops without tensor outputs): nothing to save.
     """
 
-    def __init__(self, profile, cost, budget_bytes, solution, fraction=None):
+    def __init__(
+        self,
+        profile: RegionProfile,
+        cost: str,
+        budget_bytes: int,
+        solution: dict[str, Any],
+        fraction: float | None = None,
+    ) -> None:
         items = []
         for i, r in enumerate(profile.records):
             items.append(
@@ -267,7 +301,14 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         calls = [(op._schema.name, op._schema.overload_name, idx) for op, idx in self.chosen]
         super().__init__(calls, label)
 
-    def with_budget(self, *, bytes=None, fraction=None, solver="auto", max_states=None):
+    def with_budget(
+        self,
+        *,
+        bytes: int | None = None,
+        fraction: float | None = None,
+        solver: str = "auto",
+        max_states: int | None = None,
+    ) -> BudgetPolicy:
         """The plan for another budget, from the same profile (no new run of ``fn``)."""
         return _plan(
             self._profile,
@@ -279,7 +320,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             "BudgetPolicy.with_budget",
         )
 
-    def is_saved(self, op, call_index):
+    def is_saved(self, op: torch._ops.OpOverload, call_index: int) -> bool:
         """Whether the plan saves call ``call_index`` of ``op`` (an OpOverload)."""
         return (op, call_index) in set(self.chosen)
 
@@ -311,7 +352,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         kept = {s for it in items for s in index[id(it)].storages if storages[s].internal}
         return sum(storages[s].nbytes for s in kept)
 
-    def summary(self):
+    def summary(self) -> str:
         """The plan in one line (as in ``repr``)."""
         pct = lambda a, b: f"{100.0 * a / b:.0f}%" if b else "-"  # noqa: E731
         return (
@@ -330,7 +371,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             + (f" ({self.solver_note})" if self.solver_note else "")
         )
 
-    def table(self, max_rows=20, fold=True):
+    def table(self, max_rows: int | None = 20, fold: bool = True) -> str:
         """The plan as text: the op calls most worth saving, then a summary
         that defines each of its terms in one line.
 
@@ -492,7 +533,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
             f"{name:<{name_w}}  {value:<{value_w}}  {meaning}" for name, value, meaning in terms
         ]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<torch_sac BudgetPolicy: {self.summary()}>"
 
 
@@ -525,31 +566,100 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
     return BudgetPolicy(profile, cost, budget_bytes, solution, fraction)
 
 
-def budget(
-    fn,
-    *example_args,
-    bytes=None,
-    fraction=None,
-    peak_bytes=None,
-    cost="time",
-    solver="auto",
-    repeats=3,
-    max_states=None,
-    modules=None,
-    **example_kwargs,
-):
-    r"""A policy that keeps as much recompute away as a memory budget allows.
+# The planners' options: the keyword-only parameters of budget_for_region,
+# budget_for_model and plan_peak, all of which budget() takes. budget() uses
+# them to tell a misspelled option from a keyword argument of fn.
+_OPTIONS = ("bytes", "fraction", "peak_bytes", "cost", "solver", "repeats", "max_states", "modules")
 
-    Runs ``fn(*example_args)`` once (a profiling forward, grad enabled) and
-    records every op call a selective-checkpoint policy would see in that
-    region, keyed by (op overload, call index within the region) exactly as
-    :func:`torch_sac.create_selective_checkpoint_contexts` keys its cache.
-    Each call's recompute cost is measured (``cost="time"``) or counted
-    (``cost="flops"``), and its memory is the size of the storages its
-    outputs keep alive. A C++ solver then picks the calls to save (MUST_SAVE)
-    so that the cost avoided in recompute is as large as possible while the
-    saved outputs fit in the budget; every other call is PREFER_RECOMPUTE.
-    The returned policy is decided in C++ and never calls Python.
+
+def _check_callable(fn: object, where: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})"
+        )
+
+
+def _check_examples(
+    example_args: object, example_kwargs: object, where: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``example_args`` as a tuple and ``example_kwargs`` as a dict, or a
+    ``TypeError`` naming the keyword that has the wrong type."""
+    if not isinstance(example_args, (tuple, list)):
+        raise TypeError(
+            f"torch_sac.{where}: example_args must be a tuple or list of fn's positional "
+            f"arguments, got {type(example_args).__name__} (one tensor x: example_args=(x,))"
+        )
+    if example_kwargs is None:
+        example_kwargs = {}
+    elif not isinstance(example_kwargs, dict):
+        raise TypeError(
+            f"torch_sac.{where}: example_kwargs must be a dict of fn's keyword arguments or "
+            f"None, got {type(example_kwargs).__name__}"
+        )
+    return tuple(example_args), dict(example_kwargs)
+
+
+def _check_options(
+    bytes_: int | None,
+    fraction: float | None,
+    cost: str,
+    solver: str,
+    repeats: int,
+    where: str,
+) -> None:
+    """The checks of a bytes/fraction plan's options (``max_states`` is
+    checked when the solver runs)."""
+    _check_budget(bytes_, fraction, where)
+    _check_choice(cost, _COSTS, "cost", where)
+    _check_choice(solver, _SOLVERS, "solver", where)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"torch_sac.{where}: repeats must be an int >= 0, got {repeats!r}")
+
+
+def _region_plan(
+    fn, args, kwargs, bytes_, fraction, cost, solver, repeats, max_states, where
+) -> BudgetPolicy:
+    """Profiles ``fn(*args, **kwargs)`` as one region and plans it."""
+    _check_options(bytes_, fraction, cost, solver, repeats, where)
+    profile, _ = profile_region(
+        fn,
+        args,
+        kwargs,
+        repeats=repeats if cost == "time" else 0,
+        count_flops=cost == "flops",
+    )
+    return _plan(profile, cost, bytes_, fraction, solver, max_states, where)
+
+
+def budget_for_region(
+    fn: Callable[..., Any],
+    example_args: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    bytes: int | None = None,
+    fraction: float | None = None,
+    cost: str = "time",
+    solver: str = "auto",
+    repeats: int = 3,
+    max_states: int | None = None,
+) -> BudgetPolicy:
+    r"""What one region (a block) keeps in forward within a memory budget.
+
+    Runs ``fn(*example_args, **example_kwargs)`` once (a profiling forward,
+    grad enabled) and records every op call a selective-checkpoint policy
+    would see in that region, keyed by (op overload, call index within the
+    region) exactly as :func:`torch_sac.create_selective_checkpoint_contexts`
+    keys its cache. Each call's recompute cost is measured (``cost="time"``)
+    or counted (``cost="flops"``), and its memory is the size of the storages
+    its outputs keep alive. A C++ solver then picks the calls to save
+    (MUST_SAVE) so that the cost avoided in recompute is as large as possible
+    while the saved outputs fit in the budget; every other call is
+    PREFER_RECOMPUTE. The returned policy is decided in C++ and never calls
+    Python.
+
+    ``fn`` is always planned as one region, even when it is an
+    ``nn.Module`` holding blocks: :func:`budget_for_model` plans a model
+    per block.
 
     Memory is accounted by storage, as the allocator sees it: a view or an
     in-place op's output shares its input's storage, so a storage counts once
@@ -561,29 +671,18 @@ def budget(
     hand back the mutated values).
 
     Args:
-        fn: the region: the function you checkpoint, e.g. one transformer
-            block. Pass keyword arguments with ``functools.partial``.
-        \*example_args: inputs for the profiling forward, shaped like the real
-            ones (the plan is for these shapes).
+        fn: the region: the function or module you checkpoint, e.g. one
+            transformer block.
+        example_args (tuple or list): positional arguments for the profiling
+            forward, shaped like the real ones (the plan is for these
+            shapes). One tensor ``x`` is ``(x,)``.
+        example_kwargs (dict, optional): keyword arguments for it.
         bytes (int): the budget: at most this many bytes of saved outputs.
         fraction (float): the budget as a fraction of the region's
             un-checkpointed activation memory (the distinct storages autograd
             saves for backward without checkpointing, measured in the
-            profiling forward).
-        peak_bytes (int): plan for the measured peak of forward *and*
-            backward instead, with multiple recomputation: returns a
-            :class:`~torch_sac.PeakPlan` choosing what forward keeps and the
-            replay budget backward runs under, for ``fn`` as one region (a
-            whole model: no blocks to choose). ``fn`` runs forward and
-            backward at most 10 times while planning
-            (``plan.planning_runs``), and what each run changes is put
-            back: module buffers (BatchNorm running statistics),
-            parameters' ``.grad`` (gradients go to ``autograd.grad``; a
-            ``backward`` inside ``fn`` is undone too) and the RNG state. A
-            peak below the least any measured plan reached raises
-            ``ValueError`` with that peak; see :class:`~torch_sac.PeakPlan`
-            and docs/design/peak-plans.md.
-            Pass exactly one of ``bytes``, ``fraction`` and ``peak_bytes``.
+            profiling forward). Pass exactly one of ``bytes`` and
+            ``fraction``.
         cost (str): ``"time"`` (default): each op's measured time, the median
             of the call and ``repeats`` replays of it (ops that mutate or draw
             random numbers are timed once); ``"flops"``: FLOPs from
@@ -597,36 +696,32 @@ def budget(
             is proven optimal.
         repeats (int): replays per op for ``cost="time"`` (default 3).
         max_states (int, optional): work limit of the exact solver.
-        modules: plan for a whole model: when ``fn`` is an ``nn.Module``
-            holding repeated blocks (Hugging Face layers, a ``ModuleList``
-            or ``ModuleDict`` of blocks, or chosen by ``modules=`` as for
-            :func:`torch_sac.apply_sac`), ``fn`` is
-            called once with the example arguments and each block's real
-            arguments (positional and keyword: masks, rotary embeddings) are
-            captured; one plan is made per distinct block (class, parameter
-            shapes, argument shapes) and a :class:`ModelBudget` is returned,
-            which :func:`torch_sac.apply_sac` takes as its policy.
-        \*\*example_kwargs: keyword arguments of the call.
 
     Returns:
-        A :class:`~torch_sac._budget.BudgetPolicy`: pass it to
-        :func:`torch_sac.create_selective_checkpoint_contexts`. Its attributes
-        describe the plan (``chosen``, ``saved_bytes``, ``budget_bytes``,
-        ``activation_bytes``, ``avoided_cost``, ``solver``, ``optimal``, ...);
-        ``table()`` shows it, the op calls worth the most first with views
-        and in-place ops folded into the op whose memory they use, then a
-        summary; ``with_budget(...)`` re-plans for another budget without
-        profiling again.
+        A :class:`BudgetPolicy`: pass it to :class:`torch_sac.sac_context`,
+        :func:`torch_sac.create_selective_checkpoint_contexts` or
+        :func:`torch_sac.apply_sac`. Its attributes describe the plan
+        (``chosen``, ``saved_bytes``, ``budget_bytes``, ``activation_bytes``,
+        ``avoided_cost``, ``solver``, ``optimal``, ...); ``table()`` shows
+        it, the op calls worth the most first with views and in-place ops
+        folded into the op whose memory they use, then a summary;
+        ``with_budget(...)`` re-plans for another budget without profiling
+        again.
+
+    Raises:
+        TypeError: ``fn`` is not callable, ``example_args`` is not a tuple or
+            list, ``example_kwargs`` not a dict, not exactly one of
+            ``bytes`` and ``fraction`` is given, or an option is misspelled
+            (Python's own error: the options are keyword-only).
+        ValueError: an option is out of range.
 
     Example:
         >>> block = model.layers[0]
-        >>> policy = torch_sac.policies.budget(block, x, fraction=0.5)
+        >>> policy = torch_sac.policies.budget_for_region(block, (x,), fraction=0.5)
         >>> print(policy.table())
-        >>> ctx_fn = functools.partial(
-        ...     torch_sac.create_selective_checkpoint_contexts, policy)
         >>> for layer in model.layers:  # same structure: one plan for all
-        ...     x = torch.utils.checkpoint.checkpoint(
-        ...         layer, x, use_reentrant=False, context_fn=ctx_fn)
+        ...     with torch_sac.sac_context(policy):
+        ...         x = layer(x)
 
     .. warning::
         ``fn`` really runs once while profiling: side effects such as
@@ -637,12 +732,277 @@ def budget(
         which checkpointing always keeps, are not part of it. Timings of tiny
         ops are dominated by dispatch overhead: profile with realistic sizes.
     """
-    where = "policies.budget"
-    if not callable(fn):
+    where = "policies.budget_for_region"
+    _check_callable(fn, where)
+    args, kwargs = _check_examples(example_args, example_kwargs, where)
+    return _region_plan(fn, args, kwargs, bytes, fraction, cost, solver, repeats, max_states, where)
+
+
+def budget_for_model(
+    model: torch.nn.Module,
+    example_args: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    bytes: int | None = None,
+    fraction: float | None = None,
+    modules: type | tuple[type, ...] | Callable[[torch.nn.Module], bool] | None = None,
+    cost: str = "time",
+    solver: str = "auto",
+    repeats: int = 3,
+    max_states: int | None = None,
+) -> ModelBudget:
+    r"""One budget plan per distinct block of a model, from a real call.
+
+    Calls ``model(*example_args, **example_kwargs)`` once and captures each
+    block's real arguments (positional and keyword: masks, rotary
+    embeddings, whatever the model passes). Then each distinct block (same
+    class, parameter shapes and argument shapes) is planned once as by
+    :func:`budget_for_region`, with the budget per block.
+
+    Args:
+        model (nn.Module): the model.
+        example_args (tuple or list): positional arguments of the example
+            call, e.g. ``(input_ids,)``.
+        example_kwargs (dict, optional): its keyword arguments, e.g.
+            ``{"attention_mask": mask}``.
+        bytes (int): the budget of each block, in bytes of saved outputs.
+        fraction (float): the budget of each block as a fraction of its
+            un-checkpointed activation memory. Pass exactly one of ``bytes``
+            and ``fraction``.
+        modules: the blocks, as for :func:`torch_sac.apply_sac`: ``None``
+            (default) finds them (Hugging Face layers, a ``ModuleList``,
+            ``ModuleDict`` or ``nn.Sequential`` of blocks); an
+            ``nn.Module`` class, a tuple of classes or a predicate
+            ``module -> bool`` chooses them.
+        cost (str): as for :func:`budget_for_region`.
+        solver (str): as for :func:`budget_for_region`.
+        repeats (int): as for :func:`budget_for_region`.
+        max_states (int, optional): as for :func:`budget_for_region`.
+
+    Returns:
+        A :class:`ModelBudget`: pass it to :func:`torch_sac.apply_sac` as
+        the policy. ``plans`` maps each block's name to its
+        :class:`BudgetPolicy`; ``table()`` shows each distinct plan once.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, the example arguments
+            or an option have the wrong type (a misspelled option too).
+        ValueError: the model has no blocks (plan it as one region with
+            :func:`budget_for_region`), or an option is out of range.
+        RuntimeError: a block did not run in the example call.
+
+    Example:
+        >>> plan = torch_sac.policies.budget_for_model(
+        ...     model, (input_ids,), {"attention_mask": mask}, fraction=0.5)
+        >>> print(plan.table())  # each distinct plan once, under its blocks
+        >>> handle = torch_sac.apply_sac(model, plan)
+
+    .. warning::
+        The model runs once, then each distinct block once more while
+        profiling; side effects happen as for :func:`budget_for_region` (the
+        global RNG state is restored). The plans are for the example call's
+        shapes.
+    """
+    where = "policies.budget_for_model"
+    _check_callable(model, where)
+    if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})"
+            f"torch_sac.{where}: model must be an nn.Module, got {type(model).__name__}; plan "
+            "a function as one region with torch_sac.policies.budget_for_region"
         )
+    args, kwargs = _check_examples(example_args, example_kwargs, where)
+    _check_options(bytes, fraction, cost, solver, repeats, where)
+    if modules is None and not find_blocks(model):
+        raise ValueError(
+            f"torch_sac.{where}: found no repeated blocks in the model (no Hugging Face "
+            "GradientCheckpointingLayer, no ModuleList/ModuleDict/Sequential holding two or more "
+            "modules of one class); pass modules= a class, a tuple of classes or a predicate, "
+            "or plan the model as one region with torch_sac.policies.budget_for_region"
+        )
+    return _model_budget(
+        model, args, kwargs, modules, cost, bytes, fraction, solver, repeats, max_states, where
+    )
+
+
+def plan_peak(
+    fn: Callable[..., Any],
+    example_args: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    peak_bytes: int,
+) -> PeakPlan:
+    r"""A plan for one region around the whole step, within a peak memory.
+
+    Plans for the measured peak of forward *and* backward, with multiple
+    recomputation: the plan chooses what forward keeps and the replay budget
+    backward rebuilds under, for ``fn`` as one region (a whole model or
+    step: no blocks to choose). ``fn`` runs forward and backward at most 10
+    times while planning (``plan.planning_runs``).
+
+    Args:
+        fn: the step: a function whose output backward starts from, e.g.
+            ``lambda: loss_fn(model(tokens))``. Gradients go to
+            ``autograd.grad``; a ``backward`` inside ``fn`` is undone.
+        example_args (tuple or list): positional arguments for ``fn``.
+        example_kwargs (dict, optional): keyword arguments for ``fn``.
+        peak_bytes (int): the most the step may allocate above the level
+            before the call (activations, rebuilt tensors, parameter
+            gradients, outputs).
+
+    Returns:
+        A :class:`~torch_sac.PeakPlan`: run it with
+        ``with torch_sac.sac_context(plan):`` (or
+        ``torch_sac.checkpoint(fn, x, policy=plan)``), which applies both its
+        forward policy and its replay budget; ``plan.table()`` shows it and
+        ``plan.save(path)`` writes it as JSON.
+
+    Raises:
+        TypeError: ``fn`` is not callable or the example arguments have the
+            wrong type.
+        ValueError: ``peak_bytes`` is not an int > 0, or is below the least
+            peak any measured plan reached (the message says that peak).
+        RuntimeError: a ``sac_context`` is open on this thread, or ``fn``
+            has no backward.
+
+    Example:
+        >>> def step():
+        ...     return loss_fn(model(tokens))
+        >>> plan = torch_sac.policies.plan_peak(step, peak_bytes=8 << 30)
+        >>> print(plan.table())
+        >>> with torch_sac.sac_context(plan):
+        ...     loss = step()
+        >>> loss.backward()
+
+    .. warning::
+        Each planning run puts back what it changed: module buffers
+        (BatchNorm running statistics), parameters' ``.grad`` and the RNG
+        state, so every run measures the same step and planning leaves the
+        model as it was; other state ``fn`` changes (an optimizer step, a
+        Python counter) changes with every run. See
+        :class:`~torch_sac.PeakPlan` and docs/design/peak-plans.md.
+    """
+    where = "policies.plan_peak"
+    _check_callable(fn, where)
+    args, kwargs = _check_examples(example_args, example_kwargs, where)
+    return plan_for_peak(fn, args, kwargs, peak_bytes, where)
+
+
+def _signature_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter] | None:
+    """The parameters of what ``fn(...)`` calls (``forward`` for a module),
+    or None when its signature cannot be inspected."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        return dict(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # built-ins, some C++ callables
+        return None
+
+
+def _check_example_kwargs(
+    fn: Callable[..., Any], example_kwargs: dict[str, Any], explicit: str, where: str
+) -> None:
+    """Raises ``TypeError`` for a keyword budget() would pass on to ``fn``
+    that is a misspelled option: one ``fn`` cannot take, or one close to an
+    option's name that ``fn`` does not take by name. Nothing is rejected
+    when ``fn``'s signature cannot be inspected."""
+    if not example_kwargs:
+        return
+    params = _signature_parameters(fn)
+    if params is None:
+        return
+    by_name = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for key in example_kwargs:
+        if key in by_name:
+            continue
+        close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.8)
+        if not close and takes_any:
+            continue
+        nearest = (close or difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.0) or ["?"])[0]
+        if close:
+            what = f"{key}= is not an option; did you mean {nearest}=?"
+        else:
+            what = (
+                f"fn does not take a keyword argument {key}=, and {key}= is not an option "
+                f"(the nearest is {nearest}=)."
+            )
+        raise TypeError(
+            f"torch_sac.{where}: {what} budget() passes the keywords it does not know on to "
+            f"fn. To pass {key}= to fn, use torch_sac.policies.{explicit}(fn, example_args=..., "
+            f"example_kwargs={{{key!r}: ...}}), whose options are keyword-only."
+        )
+
+
+def budget(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    bytes: int | None = None,
+    fraction: float | None = None,
+    peak_bytes: int | None = None,
+    cost: str = "time",
+    solver: str = "auto",
+    repeats: int = 3,
+    max_states: int | None = None,
+    modules: type | tuple[type, ...] | Callable[[torch.nn.Module], bool] | None = None,
+    **example_kwargs: Any,
+) -> BudgetPolicy | ModelBudget | PeakPlan:
+    r"""The three planners behind one name (kept for compatibility).
+
+    Prefer the explicit planners: :func:`budget_for_region`,
+    :func:`budget_for_model` and :func:`plan_peak`. ``budget`` forwards to
+    the one its arguments select, with ``fn(*example_args,
+    **example_kwargs)`` as the example call:
+
+    * ``peak_bytes=``: :func:`plan_peak`, a :class:`~torch_sac.PeakPlan`
+      (``bytes``, ``fraction``, ``modules``, ``cost``, ``solver``,
+      ``repeats`` and ``max_states`` are refused with it);
+    * ``fn`` an ``nn.Module`` with ``modules=`` or holding repeated blocks
+      (Hugging Face layers, a ``ModuleList`` or ``ModuleDict`` of blocks):
+      :func:`budget_for_model`, a :class:`ModelBudget`;
+    * otherwise: :func:`budget_for_region`, a :class:`BudgetPolicy`
+      (``modules`` is ignored).
+
+    Args:
+        fn: the region, the model or the step.
+        \*example_args: positional arguments of the example call.
+        bytes (int): as for :func:`budget_for_region`.
+        fraction (float): as for :func:`budget_for_region`.
+        peak_bytes (int): as for :func:`plan_peak`.
+        cost (str): as for :func:`budget_for_region`.
+        solver (str): as for :func:`budget_for_region`.
+        repeats (int): as for :func:`budget_for_region`.
+        max_states (int, optional): as for :func:`budget_for_region`.
+        modules: as for :func:`budget_for_model`.
+        \*\*example_kwargs: keyword arguments of the example call.
+
+    Returns:
+        A :class:`BudgetPolicy`, a :class:`ModelBudget` or a
+        :class:`~torch_sac.PeakPlan`, as above.
+
+    Raises:
+        TypeError: as the planner it forwards to; also for a keyword of
+            ``example_kwargs`` that looks like a misspelled option: one
+            ``fn`` cannot take (its signature has no such parameter and no
+            ``**kwargs``), or one close to an option's name (``repeat=``)
+            that ``fn`` does not take by name. The message names the
+            explicit planner to pass such a keyword with
+            (``example_kwargs={...}``). Nothing is refused when ``fn``'s
+            signature cannot be inspected.
+
+    Example:
+        >>> policy = torch_sac.policies.budget(block, x, fraction=0.5)
+        >>> # the same as
+        >>> policy = torch_sac.policies.budget_for_region(block, (x,), fraction=0.5)
+    """
+    where = "policies.budget"
+    _check_callable(fn, where)
     if peak_bytes is not None:
+        explicit = "plan_peak"
+    elif isinstance(fn, torch.nn.Module) and (modules is not None or _has_blocks(fn)):
+        explicit = "budget_for_model"
+    else:
+        explicit = "budget_for_region"
+    _check_example_kwargs(fn, example_kwargs, explicit, where)
+    if explicit == "plan_peak":
         if bytes is not None or fraction is not None or modules is not None:
             raise ValueError(
                 f"torch_sac.{where}: peak_bytes plans fn as one region: pass it without bytes, "
@@ -655,12 +1015,8 @@ def budget(
                 "estimated cost"
             )
         return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)
-    _check_budget(bytes, fraction, where)
-    _check_choice(cost, _COSTS, "cost", where)
-    _check_choice(solver, _SOLVERS, "solver", where)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-        raise ValueError(f"torch_sac.{where}: repeats must be an int >= 0, got {repeats!r}")
-    if isinstance(fn, torch.nn.Module) and (modules is not None or _has_blocks(fn)):
+    if explicit == "budget_for_model":
+        _check_options(bytes, fraction, cost, solver, repeats, where)
         return _model_budget(
             fn,
             example_args,
@@ -674,14 +1030,9 @@ def budget(
             max_states,
             where,
         )
-    profile, _ = profile_region(
-        fn,
-        example_args,
-        example_kwargs,
-        repeats=repeats if cost == "time" else 0,
-        count_flops=cost == "flops",
+    return _region_plan(
+        fn, example_args, example_kwargs, bytes, fraction, cost, solver, repeats, max_states, where
     )
-    return _plan(profile, cost, bytes, fraction, solver, max_states, where)
 
 
 def _has_blocks(model):
@@ -766,18 +1117,20 @@ def _model_budget(
 
 class ModelBudget:
     """One budget plan per distinct block of a model: what
-    ``torch_sac.policies.budget(model, *args, fraction=...)`` returns.
+    :func:`torch_sac.policies.budget_for_model` returns.
 
     Pass it to :func:`torch_sac.apply_sac` as the policy (it is a callable
     ``module -> plan``); ``plans`` maps each block's name to its plan;
     ``table()`` shows each distinct plan once, with the blocks it serves.
     """
 
-    def __init__(self, by_block, names):
+    def __init__(
+        self, by_block: dict[torch.nn.Module, BudgetPolicy], names: dict[torch.nn.Module, str]
+    ) -> None:
         self._by_block = by_block
         self._names = names
 
-    def __call__(self, module):
+    def __call__(self, module: torch.nn.Module) -> BudgetPolicy:
         try:
             return self._by_block[module]
         except KeyError:
@@ -787,19 +1140,19 @@ class ModelBudget:
             ) from None
 
     @property
-    def plans(self):
+    def plans(self) -> dict[str, BudgetPolicy]:
         return {self._names[m]: plan for m, plan in self._by_block.items()}
 
     @property
-    def budget_bytes(self):
+    def budget_bytes(self) -> int:
         """The most the plans let the blocks keep, summed over blocks."""
         return sum(plan.budget_bytes for plan in self._by_block.values())
 
     @property
-    def saved_bytes(self):
+    def saved_bytes(self) -> int:
         return sum(plan.saved_bytes for plan in self._by_block.values())
 
-    def table(self, max_rows=20, fold=True):
+    def table(self, max_rows: int | None = 20, fold: bool = True) -> str:
         """The plans as text: a line for the whole model, then per distinct
         plan a header naming the blocks that share it and the plan's
         :meth:`BudgetPolicy.table` (``max_rows`` and ``fold`` as there)."""
@@ -821,7 +1174,7 @@ class ModelBudget:
             ]
         return "\n".join(lines)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         distinct = len({id(p) for p in self._by_block.values()})
         return (
             f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "

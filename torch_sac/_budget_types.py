@@ -24,7 +24,7 @@ class ReplayBudget(
     while they are alive (autograd frees each once backward is past it), so
     the room a kept checkpoint leaves goes to rebuilds. That is how a plan
     whose forward keeps the first sweep of an optimal reversal runs
-    (:func:`torch_sac.policies.budget` with ``peak_bytes``).
+    (:func:`torch_sac.policies.plan_peak`).
     ``checkpoint_share`` (in (0, 1], default 0.5): when the replay's cuts
     are of several sizes, the most of what is free that goes to
     checkpoints; the rest goes to the tensors backward needs next.
@@ -32,7 +32,9 @@ class ReplayBudget(
 
     __slots__ = ()
 
-    def __new__(cls, bytes, counts_saved=False, checkpoint_share=0.5):
+    def __new__(
+        cls, bytes: int, counts_saved: bool = False, checkpoint_share: float = 0.5
+    ) -> "ReplayBudget":
         if isinstance(bytes, bool) or not isinstance(bytes, numbers.Integral):
             raise TypeError(f"torch_sac.ReplayBudget: bytes must be an int, got {bytes!r}")
         if bytes < 0:

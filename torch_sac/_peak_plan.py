@@ -34,6 +34,8 @@ plan that measured it (until a plan fits, the search does not depend on
 the peak asked).
 """
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import functools
@@ -42,6 +44,8 @@ import numbers
 import threading
 import time
 import types
+import os
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -91,7 +95,7 @@ _BEFORE_A_FIT = ("budget", "budget", "budget", "least", "least")
 class PeakPlan(RegionPlan):
     """What forward keeps and how backward rebuilds under a peak budget.
 
-    Made by :func:`torch_sac.policies.budget` with ``peak_bytes``; run it with
+    Made by :func:`torch_sac.policies.plan_peak`; run it with
     ``with torch_sac.sac_context(plan):`` (or ``torch_sac.checkpoint(fn, x,
     policy=plan)``), which applies both its forward policy and its replay
     budget.
@@ -129,7 +133,7 @@ class PeakPlan(RegionPlan):
     Example:
         >>> def step():
         ...     return loss_fn(model(tokens))
-        >>> plan = torch_sac.policies.budget(step, peak_bytes=8 << 30)
+        >>> plan = torch_sac.policies.plan_peak(step, peak_bytes=8 << 30)
         >>> print(plan.table())
         >>> with torch_sac.sac_context(plan):
         ...     loss = step()
@@ -162,21 +166,21 @@ class PeakPlan(RegionPlan):
     def __init__(
         self,
         *,
-        peak_bytes,
-        measured_peak,
-        no_checkpoint_peak,
-        replay_budget,
-        saved,
-        schedule,
-        recomputed_ops,
-        recompute_seconds,
-        forward_seconds,
-        replays_by_op,
-        solver,
-        solve_seconds,
-        measure_seconds,
-        runs,
-    ):
+        peak_bytes: int,
+        measured_peak: int,
+        no_checkpoint_peak: int,
+        replay_budget: ReplayBudget | None,
+        saved: list[tuple[str, int]] | None,
+        schedule: ReplaySchedule,
+        recomputed_ops: int,
+        recompute_seconds: float,
+        forward_seconds: float,
+        replays_by_op: dict[str, list[int]],
+        solver: str,
+        solve_seconds: float,
+        measure_seconds: float,
+        runs: int,
+    ) -> None:
         self.peak_bytes = peak_bytes
         self.measured_peak = measured_peak
         self.no_checkpoint_peak = no_checkpoint_peak
@@ -193,21 +197,21 @@ class PeakPlan(RegionPlan):
         self.planning_runs = runs
 
     @property
-    def runs(self):
+    def runs(self) -> int:
         """:attr:`planning_runs` (its name in the plan's JSON)."""
         return self.planning_runs
 
     @property
-    def optimal(self):
+    def optimal(self) -> bool:
         return self.solver in ("none needed", "optimal reversal")
 
-    def policy(self):
+    def policy(self) -> _C.OpPolicy:
         """The forward policy: saves exactly :attr:`saved` (decided in C++)."""
         if self.saved is None:
             return _C.save_all()
         return ReplaySchedule([], self.saved).policy()
 
-    def summary(self):
+    def summary(self) -> dict[str, Any]:
         """The plan in a few numbers (a dict)."""
         return {
             "peak_bytes": self.peak_bytes,
@@ -225,7 +229,7 @@ class PeakPlan(RegionPlan):
             "runs": self.planning_runs,
         }
 
-    def table(self, max_rows=20):
+    def table(self, max_rows: int = 20) -> str:
         """The plan as text: the peak against the budget, then per op how
         many calls forward keeps and how often backward recomputes them."""
         saved_by_op = {}
@@ -261,7 +265,7 @@ class PeakPlan(RegionPlan):
                 lines.append(f"  ... {len(rest)} more ops, {sum(r[3] for r in rest)} replays")
         return "\n".join(lines)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             **{k: v for k, v in self.summary().items() if k not in ("saved_calls", "optimal")},
@@ -272,7 +276,7 @@ class PeakPlan(RegionPlan):
         }
 
     @classmethod
-    def from_dict(cls, data):
+    def from_dict(cls, data: dict[str, Any]) -> PeakPlan:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(
@@ -315,14 +319,14 @@ class PeakPlan(RegionPlan):
             schedule=ReplaySchedule.from_dict(data["schedule"]),
         )
 
-    def save(self, path):
+    def save(self, path: str | os.PathLike[str]) -> None:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: str | os.PathLike[str]) -> PeakPlan:
         return cls.from_dict(read_json(path))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
             f"{format_bytes(self.peak_bytes)}, {self.recomputed_ops} op replays, {self.solver}>"

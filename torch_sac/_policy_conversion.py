@@ -1,6 +1,7 @@
 """Turns what users pass as a policy into a C++ OpPolicy."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Union
 
 import torch
 
@@ -8,7 +9,18 @@ from . import _C
 from ._budget_types import RegionPlan
 from ._torch_policy import TorchPolicy
 
-__all__ = ["as_op_policy", "op_patterns"]
+__all__ = ["PolicyLike", "as_op_policy", "op_patterns"]
+
+#: What torch_sac takes as a policy (for type hints): a built-in or planned
+#: policy (an ``OpPolicy``), a plan that brings a replay budget (a
+#: ``PeakPlan``), a list of ops to save, or a callable
+#: ``policy(ctx, op, *args, **kwargs)``.
+PolicyLike = Union[
+    _C.OpPolicy,
+    RegionPlan,
+    Sequence[Union[torch._ops.OpOverload, torch._ops.OpOverloadPacket]],
+    Callable[..., Any],
+]
 
 
 def op_patterns(ops, where):

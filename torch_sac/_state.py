@@ -40,7 +40,7 @@ def observers():
     """Objects told when an outermost region, or the forward context of a
     drop-in pair (``create_selective_checkpoint_contexts``), starts and ends on
     this thread (``torch_sac.profile`` registers itself here while it is
-    active). Each has ``_region_entered(ctx)`` and ``_region_exited(ctx)``,
+    active). Each has ``region_entered(ctx)`` and ``region_exited(ctx)``,
     and ``_recompute_entered(forward_ctx)`` and ``_recompute_exited(forward_ctx)``,
     which a drop-in's recompute context calls on the observers its forward
     context told, on the thread recompute runs on."""

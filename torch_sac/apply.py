@@ -1,23 +1,25 @@
 """One line on a whole model: ``torch_sac.apply_sac(model, policy)``."""
 
+from __future__ import annotations
+
 import collections
 import functools
 import inspect
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tc
 
 from . import _compile
-from ._policy_conversion import as_op_policy
+from ._engines import ENGINES, REGION
+from ._policy_conversion import PolicyLike, as_op_policy
 from ._blocks import find_blocks, select_blocks  # noqa: F401  (find_blocks: for callers)
-from ._budget_types import check_replay_budget
+from ._budget_types import ReplayBudget, check_replay_budget
 from .contexts import checkpoint_when_compiling, create_selective_checkpoint_contexts
 from .region import sac_context
 
 __all__ = ["apply_sac", "SacHandle"]
-
-_ENGINES = ("region", "dropin")
 
 
 def _is_per_module(policy):
@@ -37,18 +39,18 @@ def _is_per_module(policy):
 class SacHandle:
     """What :func:`apply_sac` returns: per-module statistics and ``remove()``."""
 
-    def __init__(self, names, engine):
+    def __init__(self, names: dict[nn.Module, str], engine: str) -> None:
         self._names = names  # module -> qualified name
         self._engine = engine
         self._last = {}  # name -> the last region / forward context
         self._originals = {}  # module -> (had its own forward, that forward)
 
     @property
-    def modules(self):
+    def modules(self) -> list[str]:
         """Qualified names of the modules this handle checkpoints, in model order."""
         return list(self._names.values())
 
-    def stats(self):
+    def stats(self) -> dict[str, dict[str, Any]]:
         """``{"per_module": {name: stats}, "total": summed stats}`` of each
         module's last checkpointed forward (region stats for ``engine="region"``,
         the drop-in's context stats for ``engine="dropin"``)."""
@@ -58,7 +60,7 @@ class SacHandle:
             total.update({k: v for k, v in s.items() if isinstance(v, (int, float))})
         return {"per_module": per_module, "total": dict(total)}
 
-    def op_details(self):
+    def op_details(self) -> dict[str, list[dict[str, Any]]]:
         """``{name: rows}``: each module's per-op rows of its last forward, as
         ``sac_context.op_details()`` gives them for both engines (a dict per
         op overload: ``op``, ``saved``, ``dropped``, ``saved_bytes``,
@@ -66,7 +68,7 @@ class SacHandle:
         for ``engine="dropin"`` replays are the calls recompute re-ran)."""
         return {name: ctx.op_details() for name, ctx in self._last.items()}
 
-    def remove(self):
+    def remove(self) -> None:
         """Puts every module's own ``forward`` back; statistics are dropped."""
         for module, (had_own, forward) in self._originals.items():
             if had_own:
@@ -81,13 +83,13 @@ class SacHandle:
 
 
 def apply_sac(
-    model,
-    policy,
-    modules=None,
-    engine="region",
-    allow_cache_entry_mutation=False,
-    replay_budget=None,
-):
+    model: nn.Module,
+    policy: PolicyLike | Callable[[nn.Module], PolicyLike],
+    modules: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
+    engine: str = REGION,
+    allow_cache_entry_mutation: bool = False,
+    replay_budget: int | ReplayBudget | None = None,
+) -> SacHandle:
     """Runs the forward of each selected module of ``model`` under selective
     activation checkpointing, in place; the counterpart of PyTorch's
     ``apply_activation_checkpointing``.
@@ -134,10 +136,10 @@ def apply_sac(
         * Hugging Face models: do not also enable their own gradient
           checkpointing on the same layers.
     """
-    if engine not in _ENGINES:
-        raise ValueError(f"torch_sac.apply_sac: engine must be one of {_ENGINES}, got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"torch_sac.apply_sac: engine must be one of {ENGINES}, got {engine!r}")
     check_replay_budget(replay_budget, "apply_sac")
-    if replay_budget is not None and engine != "region":
+    if replay_budget is not None and engine != REGION:
         raise ValueError(
             "torch_sac.apply_sac: replay_budget needs engine='region' (the drop-in re-runs each "
             "module's forward once in backward, as torch.utils.checkpoint does)"
@@ -177,7 +179,7 @@ def _wrap(module, original, policy, engine, allow, replay_budget, handle):
             if replay_budget is not None:
                 _compile.warn_replay_budget_ignored()
             return checkpoint_when_compiling(original, args, kwargs, policy, allow)
-        if engine == "region":
+        if engine == REGION:
             with sac_context(
                 policy, allow_cache_entry_mutation=allow, replay_budget=replay_budget
             ) as region:

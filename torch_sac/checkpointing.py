@@ -1,16 +1,19 @@
 """``torch_sac.checkpoint`` and ``torch_sac.checkpoint_sequential``: the front
 door of :mod:`torch.utils.checkpoint`, with the region engine behind it."""
 
+from __future__ import annotations
+
 import functools
 import inspect
 import numbers
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C, _compat, _compile
-from ._policy_conversion import as_op_policy
-from ._budget_types import check_replay_budget, unpack_plan
+from ._policy_conversion import PolicyLike, as_op_policy
+from ._budget_types import ReplayBudget, check_replay_budget, unpack_plan
 from .contexts import (
     checkpoint_when_compiling,
     create_selective_checkpoint_contexts,
@@ -98,20 +101,20 @@ def _selective_policy(context_fn):
 
 
 def checkpoint(
-    function=None,
-    *args,
-    use_reentrant=None,
-    context_fn=_torch_checkpoint.noop_context_fn,
-    determinism_check="default",
-    debug=False,
-    early_stop=True,
-    preserve_rng_state=True,
-    respect_saved_tensors_hooks=None,
-    policy=None,
-    allow_cache_entry_mutation=False,
-    replay_budget=None,
-    **kwargs,
-):
+    function: Callable[..., Any] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] = _torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+    policy: PolicyLike | None = None,
+    allow_cache_entry_mutation: bool = False,
+    replay_budget: int | ReplayBudget | None = None,
+    **kwargs: Any,
+) -> Any:
     """Checkpoints ``function(*args, **kwargs)``: a drop-in for
     :func:`torch.utils.checkpoint.checkpoint` (``use_reentrant=False``).
 
@@ -309,7 +312,13 @@ def _run_by_torch(
     )
 
 
-def checkpoint_sequential(functions, segments, input, use_reentrant=None, **kwargs):
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """Checkpoints a sequence of modules or functions in segments: a drop-in
     for :func:`torch.utils.checkpoint.checkpoint_sequential`.
 

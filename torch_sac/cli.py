@@ -18,13 +18,13 @@ Policies (``--policies``, comma-separated):
 * ``torch_checkpoint``: ``torch.utils.checkpoint`` per block (full recompute);
 * ``recompute_all``, ``save_matmuls``: ``torch_sac.sac_context`` per block
   with that built-in policy;
-* ``budget-F``: ``torch_sac.policies.budget(block, x, fraction=F)`` planned
+* ``budget-F``: ``torch_sac.policies.budget_for_region(block, (x,), fraction=F)`` planned
   on the first block (every block has the same structure and shapes) and
   used as the region policy for every block. ``F`` is a fraction of one
   block's un-checkpointed activation memory.
 
 * ``peak-F``: one ``sac_context`` around the whole step (model and loss)
-  with the peak plan ``torch_sac.policies.budget(step, peak_bytes=F *
+  with the peak plan ``torch_sac.policies.plan_peak(step, peak_bytes=F *
   peak(none))``: what forward keeps and how backward rebuilds, multiple
   recomputation included, for the measured peak of the step. The check
   printed for it is ``peak(peak-F) <= F * peak(none)``; a fraction below
@@ -37,11 +37,15 @@ head and loss, what recompute_all's replays need) plus at most the budget
 per region.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 import torch_sac
 from torch_sac._op_profile import format_bytes
 from torch_sac.models import TinyGPT
-from torch_sac.profiler import _flops_str, _figure, _plot_timelines
+from torch_sac.profiler import format_flops, agg_figure, plot_timelines
 
 __all__ = ["main", "run"]
 
@@ -193,8 +197,8 @@ class _Setup:
     def plan(self, fraction):
         if not self.plans:
             block = self.model.blocks[0]
-            self._base_plan = torch_sac.policies.budget(
-                block, self.block_input(), fraction=fraction
+            self._base_plan = torch_sac.policies.budget_for_region(
+                block, (self.block_input(),), fraction=fraction
             )
             self.plans[fraction] = self._base_plan
         if fraction not in self.plans:
@@ -210,11 +214,11 @@ class _Setup:
         checkpointing (a torch_sac.PeakPlan), or the planner's ValueError."""
         if fraction not in self.peak_plans:
             if self._plain_peak is None:
-                self._plain_peak = torch_sac.policies.budget(
+                self._plain_peak = torch_sac.policies.plan_peak(
                     self.loss, peak_bytes=1 << 62
                 ).no_checkpoint_peak
             try:
-                self.peak_plans[fraction] = torch_sac.policies.budget(
+                self.peak_plans[fraction] = torch_sac.policies.plan_peak(
                     self.loss, peak_bytes=int(fraction * self._plain_peak)
                 )
             except ValueError as e:
@@ -278,7 +282,7 @@ def _grad_diff(grads, ref):
     return worst, bitwise
 
 
-def run(args, out=print):
+def run(args: argparse.Namespace, out: Callable[[str], object] = print) -> dict[str, Any]:
     """Runs the comparison for parsed ``args``; returns the results dict."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -523,7 +527,7 @@ def _print_table(results, names, out):
     rows = [header]
     for n in names:
         r = results[n]
-        flops = _flops_str(r["recompute_flops"])
+        flops = format_flops(r["recompute_flops"])
         if not r["recompute_flops_exact"]:
             flops = "~" + flops
         replayed = "-" if n in ("none", "torch_checkpoint") else str(r["replayed_ops"])
@@ -567,7 +571,7 @@ def _print_table(results, names, out):
 def plot_tradeoff(results, names, profiles, path, args=None):
     """Left: step time against activation memory per policy. Right: memory
     over the profiled step, every policy."""
-    fig = _figure(figsize=(13, 5))
+    fig = agg_figure(figsize=(13, 5))
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
     for n in names:
         r = results[n]
@@ -588,14 +592,14 @@ def plot_tradeoff(results, names, profiles, path, args=None):
         shown.append(budgets[len(budgets) // 2])
     shown += [n for n in names if n.startswith("peak-")][:1]  # with its replay-budget line
     shown = shown or names[:4]
-    _plot_timelines(ax2, {n: profiles[n]._results("plot") for n in shown}, highlight=None)
+    plot_timelines(ax2, {n: profiles[n].to_dict() for n in shown}, highlight=None)
     ax2.set_title("Memory over one profiled step (per-op sampling slows it down)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

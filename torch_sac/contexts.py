@@ -1,17 +1,21 @@
 """A drop-in for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``."""
 
+from __future__ import annotations
+
 import functools
 import gc
 import inspect
 import sys
 import weakref
+from types import TracebackType
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _C, _compat
 from ._modes import handler_mode
-from ._policy_conversion import as_op_policy
+from ._policy_conversion import PolicyLike, as_op_policy
 from ._state import observers as _observers
 
 __all__ = ["create_selective_checkpoint_contexts", "selective_policy_of_contexts"]
@@ -43,7 +47,7 @@ class SelectiveContext:
         # entered: torch_sac.checkpoint runs a pair it is given in a region.
         self._made_from = None
 
-    def __enter__(self):
+    def __enter__(self) -> SelectiveContext:
         self._made_from = None
         self._mode.__enter__()
         self._entered = True
@@ -51,14 +55,19 @@ class SelectiveContext:
             observers = list(_observers())
             self._told = tuple(weakref.ref(o) for o in observers)
             for observer in observers:
-                observer._region_entered(self)
+                observer.region_entered(self)
             self._watch_checkpoint_frame(sys._getframe(1))
         else:
             for observer in self._forward._observers_told():
                 observer._recompute_entered(self._forward)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         if not self._entered:
             # Exited already, when torch's checkpoint() ended by an error
             # (torch <= 2.12); this is its generator being closed late.
@@ -73,7 +82,7 @@ class SelectiveContext:
         finally:
             if self._forward is None:
                 for observer in self._observers_told():
-                    observer._region_exited(self)
+                    observer.region_exited(self)
             else:
                 for observer in self._forward._observers_told():
                     observer._recompute_exited(self._forward)
@@ -104,7 +113,7 @@ class SelectiveContext:
     def _observers_told(self):
         return [o for o in (ref() for ref in self._told) if o is not None]
 
-    def stats(self):
+    def stats(self) -> dict[str, int]:
         """Counters shared by both contexts of the pair.
 
         ``policy_calls`` (ops passed to the policy in forward), ``saved_ops``
@@ -119,7 +128,7 @@ class SelectiveContext:
         """
         return self._state.stats()
 
-    def op_summary(self):
+    def op_summary(self) -> list[tuple[str, int, int, int]]:
         """Per op overload, in first-seen order: ``(op, saved, dropped, recomputed)``.
 
         ``saved`` calls had their outputs cached in forward, ``dropped`` calls
@@ -129,7 +138,7 @@ class SelectiveContext:
         """
         return self._state.op_summary()
 
-    def op_details(self):
+    def op_details(self) -> list[dict[str, Any]]:
         """Per op overload, in first-seen order, in the format of
         :meth:`torch_sac.sac_context.op_details`: a dict with ``op``,
         ``saved`` and ``dropped`` (calls that made new tensors, whose outputs
@@ -145,7 +154,7 @@ class SelectiveContext:
         """
         return self._state.op_details()
 
-    def saved_calls(self):
+    def saved_calls(self) -> list[tuple[torch._ops.OpOverload, int]]:
         """The calls whose outputs forward cached: ``[(op, call_index), ...]``.
 
         ``op`` is the OpOverload, ``call_index`` counts that op's calls in the
@@ -156,7 +165,9 @@ class SelectiveContext:
         return self._state.saved_calls()
 
 
-def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mutation=False):
+def create_selective_checkpoint_contexts(
+    policy_fn_or_list: PolicyLike, allow_cache_entry_mutation: bool = False
+) -> tuple[SelectiveContext, SelectiveContext]:
     """Contexts for selective activation checkpointing, run by torch_sac's C++ core.
 
     A drop-in for :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`:
@@ -234,7 +245,7 @@ def create_selective_checkpoint_contexts(policy_fn_or_list, allow_cache_entry_mu
     return forward, recompute
 
 
-def selective_policy_of_contexts(contexts):
+def selective_policy_of_contexts(contexts: object) -> tuple[Any, bool]:
     """``(policy, allow_cache_entry_mutation)`` of a pair of contexts made by
     torch_sac's or PyTorch's ``create_selective_checkpoint_contexts`` and not
     entered yet; ``(None, False)`` for anything else (PyTorch's modes

@@ -1,23 +1,28 @@
 """Trains a small GPT-style model with torch_sac and reports what SAC did.
 
     python -m torch_sac.demo [--steps N] [--policy save_matmuls|recompute_all|save_all]
-                             [--engine region|contexts]
+                             [--engine region|dropin]
 
 Each transformer block is checkpointed: with ``--engine region`` (default) it
 runs inside ``torch_sac.sac_context`` and backward replays dropped ops in C++;
-with ``--engine contexts`` it runs under ``torch.utils.checkpoint`` with
-torch_sac's drop-in contexts. After training, the script prints per op what
+with ``--engine dropin`` it runs under ``torch.utils.checkpoint`` with
+torch_sac's drop-in contexts (``--engine contexts``, its former name, still
+works). After training, the script prints per op what
 was saved, dropped and recomputed in the last step, and checks that the
 gradients equal those of the same step without checkpointing.
 """
 
+from __future__ import annotations
+
 import argparse
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torch_sac
+from torch_sac._engines import DROPIN, ENGINES, REGION
 from torch_sac.models import TinyGPT
 
 POLICIES = {
@@ -27,11 +32,16 @@ POLICIES = {
 }
 
 
-def main(argv=None):
+def _engine(name: str) -> str:
+    """``--engine``'s value; ``contexts`` is the drop-in's former name."""
+    return DROPIN if name == "contexts" else name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--policy", choices=sorted(POLICIES), default="save_matmuls")
-    parser.add_argument("--engine", choices=["region", "contexts"], default="region")
+    parser.add_argument("--engine", type=_engine, choices=ENGINES, default=REGION)
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -53,7 +63,7 @@ def main(argv=None):
         return pair
 
     def wrap(block, x):
-        if args.engine == "contexts":
+        if args.engine == DROPIN:
             return checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
         region = torch_sac.sac_context(policy)
         contexts.append(region)
@@ -96,7 +106,7 @@ def main(argv=None):
     for op, (saved, dropped, recomputed) in rows.items():
         print(f"  {op:<44} {saved:>6} {dropped:>8} {recomputed:>11}")
     totals = {k: sum(c.stats()[k] for c in contexts) for k in contexts[0].stats()}
-    if args.engine == "contexts":
+    if args.engine == DROPIN:
         print(
             f"\n  ops seen by the policy: {totals['policy_calls']}, saved: {totals['saved_ops']} "
             f"({totals['saved_bytes'] / 1024:.1f} KiB cached), recomputed in backward: "

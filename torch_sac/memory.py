@@ -7,7 +7,10 @@ used. See the "Measuring memory" section of ``docs/design.md`` for what is and
 is not counted.
 """
 
+from __future__ import annotations
+
 import threading
+from types import TracebackType
 
 import torch
 
@@ -23,7 +26,7 @@ __all__ = [
 ]
 
 
-def install_counting_allocator():
+def install_counting_allocator() -> None:
     r"""Install torch_sac's counting CPU allocator (once; later calls do nothing).
 
     From then on every CPU tensor allocated through torch's CPU allocator is
@@ -53,12 +56,12 @@ def install_counting_allocator():
     _C.install_counting_allocator()
 
 
-def is_counting_allocator_installed():
+def is_counting_allocator_installed() -> bool:
     """Whether :func:`install_counting_allocator` has run in this process."""
     return _C.counting_allocator_installed()
 
 
-def cpu_memory_stats():
+def cpu_memory_stats() -> dict[str, int]:
     r"""Statistics of the counting CPU allocator.
 
     Returns:
@@ -91,7 +94,7 @@ def cpu_memory_stats():
     }
 
 
-def reset_peak():
+def reset_peak() -> None:
     r"""Restart the CPU peak (``cpu_memory_stats()["peak"]``) at the bytes live now.
 
     Open :func:`track` windows are not affected: each keeps its own peak.
@@ -145,15 +148,15 @@ class MemoryTracker:
         RuntimeError: for a CUDA device when CUDA is not available.
     """
 
-    def __init__(self, device="cpu"):
-        self.device = _resolve_device(device)
+    def __init__(self, device: str | int | torch.device = "cpu") -> None:
+        self.device = resolve_device(device)
         self._window = None
         self._start = None
         self._delta = None
         self._peak = None
         self._retained = None
 
-    def __enter__(self):
+    def __enter__(self) -> MemoryTracker:
         if self._window is not None:
             raise RuntimeError(
                 "torch_sac.memory.MemoryTracker: already active; use a new tracker to nest"
@@ -167,7 +170,12 @@ class MemoryTracker:
         self._delta = self._peak = self._retained = None
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         window, self._window = self._window, None
         window.close()
         self._delta = window.current - window.start
@@ -181,13 +189,13 @@ class MemoryTracker:
         return retained if retained is not None else max(window.current - window.start, 0)
 
     @property
-    def start(self):
+    def start(self) -> int:
         """Bytes allocated on the device when the block was entered."""
         self._check_started("start")
         return self._start
 
     @property
-    def delta(self):
+    def delta(self) -> int:
         """Bytes allocated at exit (or now, inside the block) minus at entry."""
         if self._window is not None:
             return self._window.current - self._window.start
@@ -195,7 +203,7 @@ class MemoryTracker:
         return self._delta
 
     @property
-    def retained(self):
+    def retained(self) -> int:
         """Bytes allocated during the block (so far) that are still allocated."""
         if self._window is not None:
             return self._retained_of(self._window)
@@ -203,7 +211,7 @@ class MemoryTracker:
         return self._retained
 
     @property
-    def peak(self):
+    def peak(self) -> int:
         """Highest allocated level during the block (so far), minus the level at entry."""
         if self._window is not None:
             return self._window.peak - self._window.start
@@ -217,14 +225,14 @@ class MemoryTracker:
                 "use the tracker as `with torch_sac.memory.track(device) as m:`"
             )
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self._start is None:
             return f"MemoryTracker(device={str(self.device)!r}, not started)"
         state = "active" if self._window is not None else "done"
         return f"MemoryTracker(device={str(self.device)!r}, {state}, delta={self.delta}, peak={self.peak})"
 
 
-def track(device="cpu"):
+def track(device: str | int | torch.device = "cpu") -> MemoryTracker:
     r"""Measure the tensor memory a block of code keeps and peaks at.
 
     Returns a :class:`MemoryTracker`; see it for the details and caveats.
@@ -247,7 +255,7 @@ def track(device="cpu"):
     return MemoryTracker(device)
 
 
-def _resolve_device(device):
+def resolve_device(device):
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(
             f"torch_sac.memory: device must be a str, torch.device or CUDA index, got {type(device).__name__}"

@@ -1,15 +1,40 @@
-"""Built-in policies, decided in C++ without calling into Python.
+"""Built-in policies, decided in C++ without calling into Python, and the
+planners that make policies from a measured run.
 
-Each returns a policy object (``torch_sac._C.OpPolicy``) accepted wherever
-torch_sac takes a policy. ``policy.to_torch()`` turns any of them into a
-``policy_fn`` for PyTorch's own
+Each built-in returns a policy object (``torch_sac._C.OpPolicy``) accepted
+wherever torch_sac takes a policy. ``policy.to_torch()`` turns any of them
+into a ``policy_fn`` for PyTorch's own
 :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` (also
 under ``torch.compile``) that makes the same choices.
+
+The planners live in ``torch_sac._budget`` (a planner layer above the
+engines, docs/design/layers.md); this front door exports them:
+:func:`budget_for_region` (a :class:`BudgetPolicy` for one region),
+:func:`budget_for_model` (a :class:`ModelBudget`, one plan per distinct
+block) and :func:`plan_peak` (a :class:`torch_sac.PeakPlan` for a peak of
+the whole step). :func:`budget` is the older single entry point that
+forwards to them.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
 from . import _C
-from ._budget import BudgetPolicy, ModelBudget, budget
+from ._budget import (
+    BudgetPolicy,
+    ModelBudget,
+    budget,
+    budget_for_model,
+    budget_for_region,
+    plan_peak,
+)
 from ._policy_conversion import op_patterns
+
+# A torch op as the built-ins take it: an overload or a packet (every overload).
+_Op = torch._ops.OpOverload | torch._ops.OpOverloadPacket
 
 __all__ = [
     "save_ops",
@@ -18,6 +43,9 @@ __all__ = [
     "save_matmuls",
     "every_nth",
     "save_by_name",
+    "budget_for_region",
+    "budget_for_model",
+    "plan_peak",
     "budget",
     "BudgetPolicy",
     "ModelBudget",
@@ -32,7 +60,7 @@ __all__ = [
 MATMUL_OPS = tuple(_C.matmul_op_names())
 
 
-def save_ops(ops):
+def save_ops(ops: _Op | Iterable[_Op]) -> _C.OpPolicy:
     """Save the outputs of ``ops``, recompute everything else.
 
     Args:
@@ -45,17 +73,17 @@ def save_ops(ops):
     return _C.save_ops(op_patterns(ops, "save_ops"))
 
 
-def save_all():
+def save_all() -> _C.OpPolicy:
     """Save every op's outputs (``PREFER_SAVE``): no recompute, no memory saved."""
     return _C.save_all()
 
 
-def recompute_all():
+def recompute_all() -> _C.OpPolicy:
     """Recompute every op (``PREFER_RECOMPUTE``): plain activation checkpointing."""
     return _C.recompute_all()
 
 
-def save_matmuls():
+def save_matmuls() -> _C.OpPolicy:
     """Save matrix multiplies, convolutions and attention; recompute the rest.
 
     Covers every op in :data:`MATMUL_OPS`: ``mm``, ``addmm``, ``bmm``,
@@ -72,7 +100,7 @@ def save_matmuls():
     return _C.save_matmuls()
 
 
-def every_nth(ops, n):
+def every_nth(ops: _Op | Iterable[_Op], n: int) -> _C.OpPolicy:
     """Save every ``n``-th call of each op in ``ops``, recompute the rest.
 
     Calls are counted per op overload within one checkpointed region, starting
@@ -88,7 +116,7 @@ def every_nth(ops, n):
     return _C.every_nth(op_patterns(ops, "every_nth"), n)
 
 
-def save_by_name(*names):
+def save_by_name(*names: str | Iterable[str]) -> _C.OpPolicy:
     r"""Save the outputs of ops run inside the named scopes, recompute the rest.
 
     JAX's ``save_only_these_names`` for torch_sac: an op is saved

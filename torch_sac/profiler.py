@@ -4,24 +4,33 @@ See :class:`profile`. How it measures is described in the "Profiler" section
 of ``docs/design.md``.
 """
 
+from __future__ import annotations
+
 import importlib
 import json
+import os
 import threading
 import time
 import weakref
+from types import TracebackType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C, memory
 from ._adapter import adapter
+from ._engines import DROPIN, ENGINES, REGION
 from ._op_profile import format_bytes
 from ._state import observers as _observers
 from .contexts import SelectiveContext
 
 __all__ = ["profile", "plot_memory"]
 
-FORMAT = "torch_sac.profile/1"
+# The format of to_dict()'s output. 2: a region's "engine" is "region" or
+# "dropin" (1 said "sac_context" for "region"); from_dict reads both.
+FORMAT = "torch_sac.profile/2"
+_OLD_FORMATS = {"torch_sac.profile/1": {"sac_context": REGION}}
 
 # Per-op counters read from the regions (sac_context.op_details(), and the
 # drop-in forward context's op_details(), which has the same keys).
@@ -209,7 +218,14 @@ class profile:
           not profiled.
     """
 
-    def __init__(self, device="cpu", *, timeline=True, flops=None, label=None):
+    def __init__(
+        self,
+        device: str | int | torch.device = "cpu",
+        *,
+        timeline: bool = True,
+        flops: bool | None = None,
+        label: str | None = None,
+    ) -> None:
         if not isinstance(timeline, bool):
             raise TypeError(f"torch_sac.profile: timeline must be a bool, got {timeline!r}")
         if flops is None:
@@ -223,7 +239,7 @@ class profile:
             )
         if label is not None and not isinstance(label, str):
             raise TypeError(f"torch_sac.profile: label must be a str, got {label!r}")
-        self.device = memory._resolve_device(device)
+        self.device = memory.resolve_device(device)
         self._cpu = self.device.type == "cpu"
         self._timeline = timeline
         self._count_flops = flops
@@ -235,7 +251,7 @@ class profile:
     # Running
     # ------------------------------------------------------------------
 
-    def __enter__(self):
+    def __enter__(self) -> profile:
         if self._state != "new":
             raise RuntimeError(
                 "torch_sac.profile: a profile object records one block; make a new one"
@@ -250,7 +266,7 @@ class profile:
             from torch.utils.flop_counter import flop_registry
 
             self._flop_registry = flop_registry
-        self._regions = []  # per profiled region: a dict (see _region_entered)
+        self._regions = []  # per profiled region: a dict (see region_entered)
         self._open = []  # indices into _regions, innermost last
         self._dropins = weakref.WeakKeyDictionary()  # drop-in forward context -> index
         self._recomputing = threading.local()  # .open: drop-in indices, innermost last
@@ -291,7 +307,12 @@ class profile:
                 raise
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         if self._state != "active":
             return False
         t_end = time.perf_counter_ns()
@@ -319,7 +340,7 @@ class profile:
                 tracker.__exit__(None, None, None)
         self._state = "done"
 
-    def end_forward(self):
+    def end_forward(self) -> None:
         """Marks the end of forward now: activation memory is measured here.
 
         Optional with ``timeline=True``, where the first op autograd's engine
@@ -372,13 +393,13 @@ class profile:
         self._bwd.__enter__()
         self._phase = "backward"
 
-    def _region_entered(self, ctx):
+    def region_entered(self, ctx):
         index = len(self._regions)
         dropin = isinstance(ctx, SelectiveContext)
         self._regions.append(
             {
                 "ctx": ctx,
-                "engine": "dropin" if dropin else "sac_context",
+                "engine": DROPIN if dropin else REGION,
                 "ops": {},
                 "recompute_flops": {},
                 "counters": None,
@@ -394,7 +415,7 @@ class profile:
         self._regions[index]["enter"] = len(self._t) - 1
         self._events.append((len(self._t) - 1, "region_enter", index))
 
-    def _region_exited(self, ctx):
+    def region_exited(self, ctx):
         for pos in range(len(self._open) - 1, -1, -1):
             index = self._open[pos]
             if self._regions[index]["ctx"] is ctx:
@@ -402,7 +423,7 @@ class profile:
                 self._sample(f"region {index} exit")
                 self._regions[index]["exit"] = len(self._t) - 1
                 self._events.append((len(self._t) - 1, "region_exit", index))
-                if self._regions[index]["engine"] == "dropin":
+                if self._regions[index]["engine"] == DROPIN:
                     self._read_dropin(index, ctx)
                 return
 
@@ -483,7 +504,7 @@ class profile:
         replay_low = replay_high = replay_est = 0.0
         region_fwd_flops = 0
         for index, r in enumerate(self._regions):
-            dropin = r["engine"] == "dropin"
+            dropin = r["engine"] == DROPIN
             stats, details = r["counters"] or (r["ctx"].stats(), r["ctx"].op_details())
             if dropin:
                 stats = _dropin_stats(stats, details)
@@ -638,23 +659,23 @@ class profile:
         return self._data
 
     @property
-    def totals(self):
+    def totals(self) -> dict[str, Any]:
         """The totals (a dict; see the class docstring and :meth:`to_dict`)."""
         return self._results("totals")["totals"]
 
     @property
-    def ops(self):
+    def ops(self) -> list[dict[str, Any]]:
         """A list of dicts, per op overload, summed over the regions."""
         return self._results("ops")["ops"]
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """Everything measured, as plain JSON-serialisable data.
 
         Keys: ``totals``; ``ops`` (per op overload, summed over the regions:
         ``saved``, ``dropped``, ``saved_bytes``, ``dropped_bytes``,
         ``replayed``, ``replay_ns``, ``forward_calls``, ``forward_flops``,
         ``replay_flops`` [+ ``_low``, ``_high``, ``_exact``]); ``regions``
-        (per region: ``engine``, ``"sac_context"`` or ``"dropin"``, its
+        (per region: ``engine``, ``"region"`` or ``"dropin"``, its
         ``stats()`` (a drop-in's mapped to the region fields), bytes it
         added in forward, FLOPs);
         ``outside_regions``; ``timeline`` (per sample: ``t_ns`` since entry,
@@ -666,7 +687,7 @@ class profile:
         """
         return json.loads(json.dumps(self._results("to_dict")))
 
-    def to_json(self, path):
+    def to_json(self, path: str | os.PathLike[str]) -> None:
         """Writes :meth:`to_dict` to ``path`` as JSON."""
         data = self._results("to_json")
         with open(path, "w") as f:
@@ -674,14 +695,22 @@ class profile:
             f.write("\n")
 
     @classmethod
-    def from_dict(cls, data):
+    def from_dict(cls, data: dict[str, Any]) -> profile:
         """A finished profile from :meth:`to_dict`'s output (e.g. read back
-        from :meth:`to_json`), for :meth:`table` and :meth:`plot`."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        from :meth:`to_json`), for :meth:`table` and :meth:`plot`.
+
+        Profiles written by earlier releases (format
+        ``torch_sac.profile/1``, whose regions' ``engine`` says
+        ``"sac_context"`` for the region engine) are read too, and come back
+        in the current format."""
+        if not isinstance(data, dict) or (
+            data.get("format") != FORMAT and data.get("format") not in _OLD_FORMATS
+        ):
             raise ValueError(
                 f"torch_sac.profile.from_dict: not a {FORMAT} dict "
                 f"(format {data.get('format') if isinstance(data, dict) else type(data).__name__!r})"
             )
+        data = _upgraded(data)
         prof = cls.__new__(cls)
         prof.device = torch.device(data["device"])
         prof._cpu = prof.device.type == "cpu"
@@ -692,7 +721,7 @@ class profile:
         prof._data = json.loads(json.dumps(data))
         return prof
 
-    def table(self, max_rows=None, sort_by="bytes"):
+    def table(self, max_rows: int | None = None, sort_by: str = "bytes") -> str:
         """A text table: one row per op overload (summed over the regions), a
         total row, then memory, time and FLOP totals.
 
@@ -712,7 +741,7 @@ class profile:
             )
         return _format_table(data, max_rows, sort_by)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self._state != "done" or self._data is None:
             return f"<torch_sac.profile {self._state}>"
         t = self._data["totals"]
@@ -722,7 +751,11 @@ class profile:
             f"replay {t['replay_ns'] / 1e6:.2f} ms>"
         )
 
-    def plot(self, path, baseline=None):
+    def plot(
+        self,
+        path: str | os.PathLike[str],
+        baseline: profile | dict[str, profile] | None = None,
+    ) -> str | os.PathLike[str]:
         """Saves a figure to ``path`` (PNG, SVG, PDF: by extension).
 
         Top: tensor memory over the step (above the level at entry) against
@@ -753,9 +786,9 @@ class profile:
                 curves[name] = p._results("plot")
         curves[self.label or "this profile"] = data
         with_ops = bool(data["ops"])
-        fig = _figure(figsize=(10, 8.5 if with_ops else 4.5))
+        fig = agg_figure(figsize=(10, 8.5 if with_ops else 4.5))
         axes = fig.subplots(2 if with_ops else 1, 1, squeeze=False)
-        _plot_timelines(axes[0][0], curves, highlight=self.label or "this profile")
+        plot_timelines(axes[0][0], curves, highlight=self.label or "this profile")
         if with_ops:
             _plot_kept_dropped(axes[1][0], data)
         fig.tight_layout()
@@ -813,7 +846,7 @@ def _ms(ns):
     return "-" if ns is None else f"{ns / 1e6:.2f} ms"
 
 
-def _flops_str(f):
+def format_flops(f):
     if f is None:
         return "-"
     for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
@@ -822,17 +855,27 @@ def _flops_str(f):
     return f"{f:.0f} FLOP"
 
 
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` in the current :data:`FORMAT`: an older profile's engine
+    names mapped to today's (a copy; a current one is returned as is)."""
+    renames = _OLD_FORMATS.get(data.get("format"))
+    if renames is None:
+        return data
+    regions = [
+        {**r, "engine": renames.get(r.get("engine"), r.get("engine"))}
+        for r in data.get("regions", [])
+    ]
+    return {**data, "format": FORMAT, "regions": regions}
+
+
 def _format_table(data, max_rows, sort_by):
     t = data["totals"]
     lines = []
     title = "torch_sac.profile" + (f" [{data['label']}]" if data["label"] else "")
-    dropins = sum(r.get("engine") == "dropin" for r in data["regions"])
-    if dropins:
-        regions = (
-            f"{t['regions']} region(s) ({t['regions'] - dropins} sac_context, {dropins} drop-in)"
-        )
-    else:
-        regions = f"{t['regions']} sac_context region(s)"
+    by_engine = {e: sum(r.get("engine") == e for r in data["regions"]) for e in ENGINES}
+    regions = f"{t['regions']} region(s)"
+    if t["regions"]:
+        regions += " (engine: " + ", ".join(f"{n} {e}" for e, n in by_engine.items() if n) + ")"
     lines.append(f"{title}: {regions}, device {data['device']}, adapter {data['adapter']}")
     rows = [r for r in data["ops"] if r["saved"] or r["dropped"] or r["replayed"]]
     hidden = len(data["ops"]) - len(rows)
@@ -879,7 +922,7 @@ def _format_table(data, max_rows, sort_by):
                 cells.append(str(r["most_replays"]) if "most_replays" in r else "")
             cells.append(_ms(r["replay_ns"]))
             if flops:
-                est = _flops_str(r["replay_flops"])
+                est = format_flops(r["replay_flops"])
                 cells.append(est if r["replay_flops_exact"] else "~" + est)
             return cells
 
@@ -926,7 +969,7 @@ def _format_table(data, max_rows, sort_by):
             + (
                 f"; autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as "
                 "references"
-                if dropins < t["regions"]
+                if by_engine[REGION]
                 else ""
             )
             + (f"; held copies {format_bytes(t['held_bytes'])}" if t["held_bytes"] else "")
@@ -942,23 +985,23 @@ def _format_table(data, max_rows, sort_by):
         )
     )
     if flops:
-        replay = _flops_str(t["replay_flops"])
+        replay = format_flops(t["replay_flops"])
         if not t["replay_flops_exact"]:
             replay = (
-                f"~{replay} (estimate: {_flops_str(t['replay_flops_low'])} to "
-                f"{_flops_str(t['replay_flops_high'])})"
+                f"~{replay} (estimate: {format_flops(t['replay_flops_low'])} to "
+                f"{format_flops(t['replay_flops_high'])})"
             )
         pct = ""
         if t["region_forward_flops"]:
             pct = f", {100.0 * t['replay_flops'] / t['region_forward_flops']:.0f}% of the regions' forward"
         lines.append(
-            f"FLOPs:   forward {_flops_str(t['forward_flops'])}, backward "
-            f"{_flops_str(t['backward_flops'])}, replayed {replay}{pct}"
+            f"FLOPs:   forward {format_flops(t['forward_flops'])}, backward "
+            f"{format_flops(t['backward_flops'])}, replayed {replay}{pct}"
         )
     return "\n".join(lines)
 
 
-def _figure(**kwargs):
+def agg_figure(**kwargs):
     """A matplotlib Figure rendered by Agg, without pyplot: nothing global
     (the user's backend, open figures) is touched and no window opens."""
     try:
@@ -978,7 +1021,7 @@ def _mib(values):
     return [v / 2**20 for v in values]
 
 
-def _plot_timelines(ax, curves, highlight):
+def plot_timelines(ax, curves, highlight):
     """Memory against time, one curve per finished profile's data. The
     ``highlight`` curve is drawn thicker, with its regions shaded; op-level
     peaks are drawn thin when there are at most two curves."""
@@ -1050,7 +1093,9 @@ def _plot_kept_dropped(ax, data, max_ops=20):
     ax.grid(axis="x", alpha=0.3)
 
 
-def plot_memory(profiles, path, title=None):
+def plot_memory(
+    profiles: dict[str, profile], path: str | os.PathLike[str], title: str | None = None
+) -> str | os.PathLike[str]:
     """Saves the memory-over-time curves of several finished profiles,
     ``{label: profile}``, in one plot (e.g. one step under several policies).
 
@@ -1060,10 +1105,10 @@ def plot_memory(profiles, path, title=None):
         raise TypeError(
             "torch_sac.profiler.plot_memory: pass a non-empty dict {label: torch_sac.profile}"
         )
-    fig = _figure(figsize=(10, 4.5))
+    fig = agg_figure(figsize=(10, 4.5))
     ax = fig.subplots()
     curves = {name: p._results("plot") for name, p in profiles.items()}
-    _plot_timelines(ax, curves, highlight=None)
+    plot_timelines(ax, curves, highlight=None)
     if title:
         ax.set_title(title)
     fig.tight_layout()

@@ -1,11 +1,16 @@
 """Checkpointing a region of code in place: ``with torch_sac.sac_context(policy):``."""
 
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
 import torch
 
 from . import _C, _compile, _fsdp, _state
 from ._budget_types import ReplayBudget, check_replay_budget, unpack_plan
 from ._modes import handler_mode
-from ._policy_conversion import as_op_policy
+from ._policy_conversion import PolicyLike, as_op_policy
 from .schedule import ReplaySchedule
 
 __all__ = ["ReplayBudget", "sac_context"]
@@ -31,7 +36,7 @@ class sac_context:
             :class:`torch.utils.checkpoint.CheckpointPolicy` or a bool; a
             list of ops to save (OpOverloads or OpOverloadPackets); a
             built-in from :mod:`torch_sac.policies`; or a
-            :class:`~torch_sac.PeakPlan` (``policies.budget(...,
+            :class:`~torch_sac.PeakPlan` (``policies.plan_peak(...,
             peak_bytes=...)``), which brings its replay budget too.
         allow_cache_entry_mutation (bool): an output the policy saved that a
             replay needs, modified in place after use, raises by default;
@@ -86,8 +91,13 @@ class sac_context:
     """
 
     def __init__(
-        self, policy, *, allow_cache_entry_mutation=False, replay_budget=None, replay_schedule=None
-    ):
+        self,
+        policy: PolicyLike,
+        *,
+        allow_cache_entry_mutation: bool = False,
+        replay_budget: int | ReplayBudget | None = None,
+        replay_schedule: ReplaySchedule | None = None,
+    ) -> None:
         if torch.compiler.is_compiling():
             _compile.refuse_region_while_compiling()
         if not isinstance(allow_cache_entry_mutation, bool):
@@ -117,7 +127,7 @@ class sac_context:
         self._exits = []
         self._torn_down = False
 
-    def __enter__(self):
+    def __enter__(self) -> sac_context:
         if self._region is not None:
             raise RuntimeError("torch_sac.sac_context: this context is already entered")
         stack = _state.stack()
@@ -164,10 +174,15 @@ class sac_context:
         stack.append(self)
         if self._owner:
             for observer in list(_state.observers()):
-                observer._region_entered(self)
+                observer.region_entered(self)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         if self._torn_down:
             return False  # already exited (an out-of-order exit undid it and raised)
         stack = _state.stack()
@@ -207,10 +222,10 @@ class sac_context:
                 error = error or e
         if self._owner:
             for observer in list(_state.observers()):
-                observer._region_exited(self)
+                observer.region_exited(self)
         return error
 
-    def stats(self):
+    def stats(self) -> dict[str, int]:
         """Counters of the (outermost) region this context recorded into.
 
         ``policy_calls``; ``saved_ops``/``saved_bytes`` and
@@ -236,12 +251,12 @@ class sac_context:
         self._check_used("stats")
         return self._region.stats()
 
-    def op_summary(self):
+    def op_summary(self) -> list[tuple[str, int, int, int]]:
         """Per op overload, first-seen order: ``(op, saved, dropped, replayed)``."""
         self._check_used("op_summary")
         return self._region.op_summary()
 
-    def op_details(self):
+    def op_details(self) -> list[dict[str, Any]]:
         """Per op overload, first-seen order: a dict with ``op``, ``saved``,
         ``dropped`` (calls whose new outputs were kept or dropped),
         ``saved_bytes``, ``dropped_bytes`` (their storage bytes), ``replayed``
@@ -249,7 +264,7 @@ class sac_context:
         self._check_used("op_details")
         return self._region.op_details()
 
-    def replay_schedule(self):
+    def replay_schedule(self) -> ReplaySchedule:
         """The schedule this region ran: the op calls forward kept and, per
         rebuild of the last backward pass, the tensor it was for and the ones
         it kept (a :class:`torch_sac.ReplaySchedule`; ``sac_context(...,

@@ -8,9 +8,14 @@ and backward raises if it does not match. The format is described in
 ``docs/design.md`` ("Replay schedules").
 """
 
+from __future__ import annotations
+
 import collections
 import json
 import numbers
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from . import _C
 
@@ -26,7 +31,7 @@ class TensorKey(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, op, call_index, output=0):
+    def __new__(cls, op: str, call_index: int, output: int = 0) -> TensorKey:
         if not isinstance(op, str) or "::" not in op:
             raise ValueError(
                 f"torch_sac.ReplaySchedule: an op is named like 'aten::mm.default', got {op!r}"
@@ -40,9 +45,17 @@ class TensorKey(tuple):
             op += ".default"
         return super().__new__(cls, (op, int(call_index), int(output)))
 
-    op = property(lambda self: self[0])
-    call_index = property(lambda self: self[1])
-    output = property(lambda self: self[2])
+    @property
+    def op(self) -> str:
+        return self[0]
+
+    @property
+    def call_index(self) -> int:
+        return self[1]
+
+    @property
+    def output(self) -> int:
+        return self[2]
 
     def __repr__(self):
         return f"TensorKey({self.op!r}, {self.call_index}, {self.output})"
@@ -78,7 +91,11 @@ class ReplaySchedule:
         ...     y = model(x)   # backward rebuilds and keeps exactly as scheduled
     """
 
-    def __init__(self, rebuilds, saved=()):
+    def __init__(
+        self,
+        rebuilds: Iterable[Sequence[Any]],
+        saved: Iterable[tuple[str, int] | TensorKey] = (),
+    ) -> None:
         self.saved = [(op, int(call)) for op, call in (as_call(c) for c in saved)]
         self.rebuilds = []
         for step in rebuilds:
@@ -96,7 +113,7 @@ class ReplaySchedule:
                 )
             )
 
-    def policy(self):
+    def policy(self) -> _C.SavedCallsPolicy:
         """A policy saving exactly :attr:`saved` (decided in C++)."""
         calls = []
         for op, call in self.saved:
@@ -105,7 +122,7 @@ class ReplaySchedule:
         return _C.SavedCallsPolicy(calls, f"schedule({len(self.saved)} saved calls)")
 
     @property
-    def recomputed(self):
+    def recomputed(self) -> dict[TensorKey, int]:
         """How many rebuilds each tensor key was rebuilt in, as ``{key: count}``
         (a tensor rebuilt on the way of several rebuilds counts in each)."""
         counts = {}
@@ -113,7 +130,7 @@ class ReplaySchedule:
             counts[step.unpacked] = counts.get(step.unpacked, 0) + 1
         return counts
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "saved": [list(c) for c in self.saved],
@@ -128,7 +145,7 @@ class ReplaySchedule:
         }
 
     @classmethod
-    def from_dict(cls, data):
+    def from_dict(cls, data: dict[str, Any]) -> ReplaySchedule:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(
@@ -139,11 +156,11 @@ class ReplaySchedule:
             data.get("saved", ()),
         )
 
-    def save(self, path):
+    def save(self, path: str | os.PathLike[str]) -> None:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: str | os.PathLike[str]) -> ReplaySchedule:
         return cls.from_dict(read_json(path))
 
     def _steps(self):
@@ -153,7 +170,7 @@ class ReplaySchedule:
             for step in self.rebuilds
         ]
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ReplaySchedule) and self.to_dict() == other.to_dict()
 
     def __repr__(self):

@@ -6,6 +6,9 @@ that runs while a listed scope is open. Under ``torch.compile`` the scope
 becomes an FX node annotation instead (see :func:`name`).
 """
 
+from __future__ import annotations
+
+import contextlib
 import functools
 
 import torch
@@ -74,7 +77,7 @@ class _NameScope:
         return f"torch_sac.name({self._name!r})"
 
 
-def name(scope_name):
+def name(scope_name: str) -> contextlib.AbstractContextManager[object]:
     r"""Context manager (or decorator) naming the ops run inside it.
 
     Ops that run while the scope is open are "in" it, and in every scope that
@@ -123,7 +126,7 @@ def name(scope_name):
     return _NameScope(scope_name)
 
 
-def active_names():
+def active_names() -> list[str]:
     """The names of the scopes open on this thread, outermost first.
 
     Returns:

@@ -354,7 +354,7 @@ def test_dropin_rows_match_the_region_engine(policy_name):
         assert t["replay_flops"] == 0
         assert ours["aten::addmm.default"]["saved"] > 0
     text = dropin.table()
-    assert "4 region(s) (0 sac_context, 4 drop-in)" in text
+    assert "4 region(s) (engine: 4 dropin)" in text
     assert "autograd saved" not in text
 
 
@@ -419,8 +419,8 @@ def test_region_and_dropin_in_one_profile():
     for n, p in module.named_parameters():
         assert torch.equal(p.grad, plain.param_grads[n]), n
     t = prof.totals
-    assert [r["engine"] for r in prof.to_dict()["regions"]] == ["sac_context", "dropin"] * 2
-    assert "4 region(s) (2 sac_context, 2 drop-in)" in prof.table()
+    assert [r["engine"] for r in prof.to_dict()["regions"]] == ["region", "dropin"] * 2
+    assert "4 region(s) (engine: 2 region, 2 dropin)" in prof.table()
     dropins = [fwd for fwd, _ in rec.pairs]
     for k, field in (
         ("saved_ops", "saved"),
@@ -526,7 +526,7 @@ def test_table_lists_ops_and_totals(profiles):
     ):
         assert op in text
     assert "total" in text and "activations" in text and "replay" in text and "FLOPs" in text
-    assert "4 sac_context region(s)" in text
+    assert "4 region(s) (engine: 4 region)" in text
     short = prof.table(max_rows=2)
     assert "more op rows not shown" in short
     assert prof.table(sort_by="order").splitlines()[4].startswith("aten::native_layer_norm.default")
