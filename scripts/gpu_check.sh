@@ -110,8 +110,7 @@ status=0
 # 2. Release checks that need no GPU but this machine's Python and torch:
 # the version checks and the cleanup after a forward that raises.
 pytest_stage "release checks (CPU)" "$OUT_DIR/release_tests.log" 120 \
-  tests/python/test_releases.py tests/python/test_error_cleanup.py \
-  tests/python/test_error_cleanup_adversarial.py
+  tests/python/test_releases.py tests/python/test_error_cleanup.py
 
 # 3. CUDA tests, once per adapter. pytest's summary line goes in the table.
 for adapter in python key; do

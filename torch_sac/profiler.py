@@ -393,7 +393,7 @@ class profile:
         self._bwd.__enter__()
         self._phase = "backward"
 
-    def region_entered(self, ctx):
+    def region_entered(self, ctx: Any) -> None:
         index = len(self._regions)
         dropin = isinstance(ctx, SelectiveContext)
         self._regions.append(
@@ -415,7 +415,7 @@ class profile:
         self._regions[index]["enter"] = len(self._t) - 1
         self._events.append((len(self._t) - 1, "region_enter", index))
 
-    def region_exited(self, ctx):
+    def region_exited(self, ctx: Any) -> None:
         for pos in range(len(self._open) - 1, -1, -1):
             index = self._open[pos]
             if self._regions[index]["ctx"] is ctx:

@@ -29,6 +29,7 @@ except ImportError:  # running from elsewhere without an installed package
     import torch_sac  # noqa: F401
 from torch_sac import _compat  # noqa: E402
 
+import helpers  # noqa: E402
 from models import MODEL_BUILDERS, Stack  # noqa: E402
 
 aten = torch.ops.aten
@@ -417,6 +418,11 @@ def run_model(builder, context_fn=None, seed=RUN_SEED, forward_fn=None):
     else:
         out = forward_fn(module, x, context_fn)
     loss_of(out).backward()
+    return collect(module, x, out)
+
+
+def collect(module, x, out):
+    """A RunResult of ``module`` after its backward from input ``x`` to ``out``."""
     return RunResult(
         out=out.detach().clone(),
         param_grads={
@@ -484,6 +490,26 @@ def gc_disabled():
     yield
     if was_enabled:
         gc.enable()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: CPU reductions are then
+    deterministic (gradients compare bitwise, peaks repeat), and tiny
+    kernels do not stall on OpenMP when the cores are busy with other work.
+    A module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def leaves_nothing():
+    """After the test: no region left open, no dispatch mode installed, grad
+    mode on (helpers.assert_clean)."""
+    yield
+    helpers.assert_clean()
 
 
 @pytest.fixture(autouse=True)

@@ -198,6 +198,7 @@ def test_hugging_face_layers_found(engine):
         assert_same_step(run(model, use_cache=True), ref_cached, "llama region, use_cache")
 
 
+@pytest.mark.slow
 def test_under_torch_compile():
     ref = step(make(TitanStyle), X)
     model = make(TitanStyle)

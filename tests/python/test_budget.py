@@ -123,6 +123,8 @@ def random_instances(seed, count):
         yield inst + (int(total * rng.uniform(0.0, 0.9)),)
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_exact_solver_matches_milp():
     n_checked = 0
     for storage_bytes, values, item_storages, cap in random_instances(seed=0, count=90):
@@ -137,6 +139,8 @@ def test_exact_solver_matches_milp():
     assert n_checked == 90
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_arbitrary_sharing_is_exact_or_says_so():
     """Items sharing storages at random (giant alias components, unlike real
     op graphs): either proven optimal and equal to the MILP, or flagged not
@@ -185,6 +189,8 @@ def max_component_value(values, item_storages):
     return max([best, *totals.values()])
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_greedy_is_feasible_and_within_its_bound():
     for storage_bytes, values, item_storages, cap in random_instances(seed=2, count=60):
         sol = torch_sac._C.budget_solve(storage_bytes, values, item_storages, cap, "greedy")
@@ -199,6 +205,7 @@ def test_greedy_is_feasible_and_within_its_bound():
         assert sol["upper_bound"] >= opt - tol  # the LP bound certifies the gap
 
 
+@pytest.mark.adapter_independent
 def test_solver_value_is_monotone_in_the_budget():
     rng = np.random.default_rng(3)
     for _ in range(10):
@@ -610,6 +617,7 @@ def test_model_budget_table_shows_each_distinct_plan_once():
     assert plan.table(fold=False).count("in region order") == 2
 
 
+@pytest.mark.adapter_independent
 def test_block_names_are_shown_as_ranges():
     assert _name_ranges(["layers.0", "layers.1", "layers.2", "lm_head"]) == "layers.0-2, lm_head"
     assert _name_ranges(["h.0", "h.2", "h.3", "g.4", "5", "6"]) == "h.0, h.2-3, g.4, 5-6"
@@ -663,6 +671,7 @@ def test_bad_input_raises_clearly():
         budget(broken, x, fraction=0.5)
 
 
+@pytest.mark.adapter_independent
 def test_exact_solver_gives_up_clearly():
     rng = np.random.default_rng(9)
     storage_bytes, values, item_storages = independent_instance(rng, 300, correlated=True)

@@ -25,6 +25,9 @@ STUB = Path(torch_sac.__file__).resolve().parent / "_C.pyi"
 # Members every pybind11 class has; not part of torch_sac's bindings.
 PYBIND11_INTERNALS = {"_pybind11_conduit_v1_"}
 
+# The stub against the bindings and the version: no op is intercepted.
+pytestmark = pytest.mark.adapter_independent
+
 
 def _stub_tree():
     return ast.parse(STUB.read_text(), filename=str(STUB))

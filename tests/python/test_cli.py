@@ -37,6 +37,7 @@ def run_main(argv, capsys):
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_all_policies_end_to_end(tmp_path, capsys):
     plot, js = tmp_path / "t.png", tmp_path / "t.json"
     threads = torch.get_num_threads()
@@ -159,6 +160,7 @@ def test_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(

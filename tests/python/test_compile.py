@@ -48,6 +48,9 @@ INDUCTOR_TOL = dict(rtol=1e-5, atol=1e-5)
 
 GRAD_SEED = 7
 
+# torch.compile (dynamo, aot_eager, inductor): about 25 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 # --------------------------------------------------------------------------
 # Blocks

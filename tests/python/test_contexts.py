@@ -121,6 +121,7 @@ def name_mentions_op(msg, packet_name):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 def test_policy_enum_members():
     members = [P.MUST_SAVE, P.PREFER_SAVE, P.MUST_RECOMPUTE, P.PREFER_RECOMPUTE]
     assert len(set(members)) == 4
@@ -129,6 +130,7 @@ def test_policy_enum_members():
         assert m.name == name
 
 
+@pytest.mark.adapter_independent
 def test_ignored_ops_superset_of_torch():
     ignored = torch_sac.IGNORED_OPS
     assert isinstance(ignored, frozenset)
@@ -728,10 +730,14 @@ def _check_adapter_output(proc, expected_adapter):
     assert lines["GRAD_OK"] == "True"
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_adapter_env_python_forces_python_adapter():
     _check_adapter_output(_run_adapter_subprocess("python"), "python")
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_adapter_env_key():
     proc = _run_adapter_subprocess("key")
     # Whether the key adapter can be used at all; the default may pick the
@@ -749,6 +755,8 @@ def test_adapter_env_key():
         ]
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_adapter_default():
     proc = _run_adapter_subprocess(None)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -43,6 +43,9 @@ TOTAL_BUDGET = 300.0  # after this many seconds of hangs/crashes, the remaining 
 STEPS = 3
 D_MODEL, D_HIDDEN, BATCH, SEQ = 64, 256, 4, 32
 
+# Spawns process groups (about 30 s on 2 cores).
+pytestmark = pytest.mark.slow
+
 ENGINES = (
     "ddp_region",  # 1
     "fsdp2_region_per_block",  # 2(a)

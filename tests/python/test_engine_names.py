@@ -69,6 +69,7 @@ def test_a_profile_of_format_1_loads_with_todays_names():
         torch_sac.profile.from_dict(dict(today, format="torch_sac.profile/0"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flag, engine", [("region", "region"), ("dropin", "dropin"), ("contexts", "dropin")]
 )

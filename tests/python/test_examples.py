@@ -4,7 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
+
+# Each example runs in a subprocess: seconds each.
+pytestmark = pytest.mark.slow
 
 
 def test_hf_llama_finetune_example():

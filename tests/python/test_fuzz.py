@@ -1139,6 +1139,7 @@ LAYOUTS = st.one_of(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @PROFILE
 @given(

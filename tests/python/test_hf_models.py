@@ -33,122 +33,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 import torch.utils.checkpoint as tc
-import transformers
 
 import torch_sac
-
-transformers.logging.set_verbosity_error()
-
-BATCH, SEQ, VOCAB = 2, 12, 100
-MODEL_SEED = 1234  # weights
-INPUT_SEED = 99  # token ids / labels (private generator)
-RUN_SEED = 0  # global RNG before forward (dropout masks)
-
-
-# --------------------------------------------------------------------------
-# Models: (model, batch kwargs, checkpointed layers)
-# --------------------------------------------------------------------------
-
-
-def _tokens(shape, g, low=2):
-    return torch.randint(low, VOCAB, shape, generator=g)
-
-
-def _padding_mask():
-    """Second sequence right-padded by 3 tokens."""
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, -3:] = 0
-    return mask
-
-
-def build_gpt2(attn="sdpa"):
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        attn_pdrop=0.1,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        use_cache=False,
-        attn_implementation=attn,
-    )
-    model = transformers.GPT2LMHeadModel(cfg)
-    g = torch.Generator().manual_seed(INPUT_SEED)
-    ids = _tokens((BATCH, SEQ), g)
-    batch = dict(input_ids=ids, attention_mask=_padding_mask(), labels=ids)
-    return model, batch, list(model.transformer.h)
-
-
-def build_llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(INPUT_SEED)
-    ids = _tokens((BATCH, SEQ), g)
-    batch = dict(input_ids=ids, attention_mask=_padding_mask(), labels=ids)
-    return model, batch, list(model.model.layers)
-
-
-def build_t5(attn="sdpa"):
-    cfg = transformers.T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.1,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        use_cache=False,
-        attn_implementation=attn,
-    )
-    model = transformers.T5ForConditionalGeneration(cfg)
-    g = torch.Generator().manual_seed(INPUT_SEED)
-    batch = dict(
-        input_ids=_tokens((BATCH, SEQ), g),
-        attention_mask=_padding_mask(),
-        labels=_tokens((BATCH, SEQ - 4), g),
-    )
-    return model, batch, list(model.encoder.block) + list(model.decoder.block)
-
-
-def build_bert():
-    cfg = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-        attn_implementation="sdpa",
-    )
-    model = transformers.BertForMaskedLM(cfg)
-    g = torch.Generator().manual_seed(INPUT_SEED)
-    ids = _tokens((BATCH, SEQ), g)
-    labels = torch.full_like(ids, -100)
-    labels[:, ::3] = ids[:, ::3]
-    ids = ids.clone()
-    ids[:, ::3] = 1  # [MASK]
-    batch = dict(input_ids=ids, attention_mask=_padding_mask(), labels=labels)
-    return model, batch, list(model.bert.encoder.layer)
-
+from hf_tiny import (  # noqa: F401  (test_apply.py reads the builders, seeds and Step from here)
+    MODEL_SEED,
+    RUN_SEED,
+    Step,
+    assert_step_equal,
+    build_bert,
+    build_gpt2,
+    build_llama,
+    build_t5,
+    param_grads,
+)
 
 MODELS = {
     "gpt2": build_gpt2,
@@ -227,13 +124,6 @@ class Checkpointing:
 # --------------------------------------------------------------------------
 
 
-class Step:
-    def __init__(self, loss, grads, rng_after):
-        self.loss = loss
-        self.grads = grads
-        self.rng_after = rng_after
-
-
 def run_step(model_name, engine=None, policy_name=None):
     torch.manual_seed(MODEL_SEED)
     model, batch, layers = MODELS[model_name]()
@@ -256,8 +146,7 @@ def run_step(model_name, engine=None, policy_name=None):
         assert ckpt.recomputed_ops() > 0, (
             "backward recomputed nothing: the layers were not checkpointed"
         )
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-    return Step(loss.detach().clone(), grads, torch.get_rng_state())
+    return Step(loss.detach().clone(), param_grads(model), torch.get_rng_state())
 
 
 _REFERENCE = {}
@@ -269,39 +158,11 @@ def reference(model_name):
     return _REFERENCE[model_name]
 
 
-def _diff(a, b):
-    return (a.double() - b.double()).abs().max().item()
-
-
-def assert_step_equal(step, ref, label):
-    assert torch.equal(step.loss, ref.loss), (
-        f"{label}: loss {step.loss.item()!r} vs {ref.loss.item()!r} (diff {_diff(step.loss, ref.loss):.3g})"
-    )
-    assert step.grads.keys() == ref.grads.keys()
-    bad = []
-    for name, g_ref in ref.grads.items():
-        g = step.grads[name]
-        if g is None or g_ref is None:
-            if (g is None) != (g_ref is None):
-                bad.append(f"{name}: grad is None in {'run' if g is None else 'reference'} only")
-            continue
-        if not torch.equal(g, g_ref):
-            bad.append(
-                f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})"
-            )
-    assert not bad, f"{label}: {len(bad)}/{len(ref.grads)} gradients differ:\n  " + "\n  ".join(bad)
-    assert torch.equal(step.rng_after, ref.rng_after), (
-        f"{label}: global RNG state differs after the step"
-    )
-
-
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: CPU reductions are then deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_thread(one_thread):
+    """conftest's one_thread for every test here; test_apply.py imports this
+    fixture to get the same."""
     yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------

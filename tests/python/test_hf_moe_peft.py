@@ -47,36 +47,35 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_sac
+from hf_tiny import (
+    BATCH,
+    INPUT_SEED,
+    MODEL_SEED,
+    RUN_SEED,
+    SEQ,
+    VOCAB,
+    Step,
+    assert_step_equal,
+    gpt2_config,
+    llama_config,
+    param_grads,
+    tokens,
+)
 
 peft = pytest.importorskip("peft")
 
-transformers.logging.set_verbosity_error()
-
 # peft asks transformers' deprecated is_gradient_checkpointing.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
-)
-
-BATCH, SEQ, VOCAB = 2, 12, 100
-MODEL_SEED = 1234  # weights
-INPUT_SEED = 99  # token ids (private generator)
-RUN_SEED = 0  # global RNG before forward (dropout masks)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 GROUPED_MM = "aten::_grouped_mm.default"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: CPU reductions are then deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _tokens(shape=(BATCH, SEQ), seed=INPUT_SEED):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB, shape, generator=g)
+def _tokens(seed=INPUT_SEED):
+    """(BATCH, SEQ) token ids from ``seed``."""
+    return tokens((BATCH, SEQ), torch.Generator().manual_seed(seed))
 
 
 # --------------------------------------------------------------------------
@@ -94,35 +93,30 @@ _DECODER = dict(
 )
 
 
-def build_qwen3_moe():
-    cfg = transformers.Qwen3MoeConfig(
-        moe_intermediate_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2, **_DECODER
+def _moe(config, model, **experts):
+    """A builder of a tiny MoE causal LM: transformers' ``config`` and
+    ``model`` classes (by name), _DECODER plus ``experts``."""
+    return lambda: getattr(transformers, model)(
+        getattr(transformers, config)(**experts, **_DECODER)
     )
-    return transformers.Qwen3MoeForCausalLM(cfg)
-
-
-def build_olmoe():
-    cfg = transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **_DECODER)
-    return transformers.OlmoeForCausalLM(cfg)
-
-
-def build_mixtral():
-    cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_DECODER)
-    return transformers.MixtralForCausalLM(cfg)
-
-
-def build_gpt_oss():
-    cfg = transformers.GptOssConfig(
-        num_local_experts=4, num_experts_per_tok=2, head_dim=8, **_DECODER
-    )
-    return transformers.GptOssForCausalLM(cfg)
 
 
 MOE_MODELS = {
-    "qwen3_moe": build_qwen3_moe,
-    "olmoe": build_olmoe,
-    "mixtral": build_mixtral,
-    "gpt_oss": build_gpt_oss,
+    "qwen3_moe": _moe(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        moe_intermediate_size=16,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "olmoe": _moe("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2),
+    "mixtral": _moe(
+        "MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2
+    ),
+    "gpt_oss": _moe(
+        "GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, head_dim=8
+    ),
 }
 
 # MoE models whose experts write the grouped matmul's output in place later in
@@ -131,32 +125,11 @@ GROUPED_OUTPUT_WRITTEN_IN_PLACE = {"gpt_oss"}
 
 
 def build_llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(llama_config())
 
 
 def build_gpt2():
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        attn_pdrop=0.1,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_implementation="sdpa",
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return transformers.GPT2LMHeadModel(gpt2_config())
 
 
 def build_mamba():
@@ -195,15 +168,6 @@ def build_lora(base_name):
 ENGINES = ("region", "dropin", "whole_region")
 
 
-class Step:
-    def __init__(self, loss, grads, handle=None, region=None, rng_after=None):
-        self.loss = loss
-        self.grads = grads
-        self.handle = handle  # apply_sac's handle (region / dropin)
-        self.region = region  # the sac_context (whole_region)
-        self.rng_after = rng_after
-
-
 def run_step(build, engine=None, policy=None, use_cache=False, ids=None):
     """Builds the model (seeded), checkpoints it with ``engine``, runs one
     forward/backward with ``labels=ids`` and returns loss and gradients."""
@@ -223,35 +187,7 @@ def run_step(build, engine=None, policy=None, use_cache=False, ids=None):
         assert engine in (None, "region", "dropin"), engine
         loss = model(input_ids=ids, labels=ids, use_cache=use_cache).loss
     loss.backward()
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-    return Step(loss.detach().clone(), grads, handle, region, torch.get_rng_state())
-
-
-def _diff(a, b):
-    return (a.double() - b.double()).abs().max().item()
-
-
-def assert_step_equal(step, ref, label):
-    assert torch.equal(step.loss, ref.loss), (
-        f"{label}: loss {step.loss.item()!r} vs {ref.loss.item()!r} (diff {_diff(step.loss, ref.loss):.3g})"
-    )
-    assert step.grads.keys() == ref.grads.keys()
-    bad = []
-    for name, g_ref in ref.grads.items():
-        g = step.grads[name]
-        if g is None or g_ref is None:
-            if (g is None) != (g_ref is None):
-                bad.append(f"{name}: grad is None in {'run' if g is None else 'reference'} only")
-            continue
-        if not torch.equal(g, g_ref):
-            bad.append(
-                f"{name}: max abs diff {_diff(g, g_ref):.3g} (ref max {g_ref.abs().max().item():.3g})"
-            )
-    assert not bad, f"{label}: {len(bad)}/{len(ref.grads)} gradients differ:\n  " + "\n  ".join(bad)
-    if ref.rng_after is not None and step.rng_after is not None:
-        assert torch.equal(step.rng_after, ref.rng_after), (
-            f"{label}: global RNG state differs after the step"
-        )
+    return Step(loss.detach().clone(), param_grads(model), torch.get_rng_state(), handle, region)
 
 
 _REFERENCE = {}
@@ -296,6 +232,7 @@ def op_row(rows, op):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 def test_matmul_ops_include_grouped_mm():
     ops = getattr(torch_sac.policies, "MATMUL_OPS", None)
     if ops is None:
@@ -523,8 +460,7 @@ def run_dpo(engine=None, beta=0.1):
     pol_c, pol_r = _seq_logp(model, chosen), _seq_logp(model, rejected)
     loss = -F.logsigmoid(beta * ((pol_c - ref_c) - (pol_r - ref_r))).mean()
     loss.backward()
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-    return Step(loss.detach().clone(), grads, handle, rng_after=torch.get_rng_state())
+    return Step(loss.detach().clone(), param_grads(model), torch.get_rng_state(), handle)
 
 
 @pytest.mark.parametrize("engine", ("region", "dropin"))

@@ -5,9 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 CHECKER = os.path.join(REPO_ROOT, "scripts", "check_import_cycles.py")
+
+# A subprocess reads the package's sources: nothing runs under an adapter.
+pytestmark = pytest.mark.adapter_independent
 
 
 def _check(package_dir):

@@ -21,6 +21,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import torch_sac
 from conftest import forward, loss_of
+from helpers import allocated, storage_bytes
 from models import MODEL_BUILDERS
 from torch_sac import memory
 from torch_sac.memory import _CudaWindow, track
@@ -35,16 +36,6 @@ def counting_allocator():
     gc.disable()
     yield
     gc.enable()
-
-
-def allocated():
-    return memory.cpu_memory_stats()["allocated"]
-
-
-def storage_bytes(tensors):
-    """Bytes of the distinct storages of ``tensors``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
 
 
 class SavedStorages:
@@ -90,6 +81,7 @@ OUT_BYTES = BATCH * 16 * F32
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 def test_install_is_idempotent():
     before = memory.cpu_memory_stats()
     memory.install_counting_allocator()
@@ -100,6 +92,7 @@ def test_install_is_idempotent():
     assert set(after) == {"allocated", "peak", "num_allocs", "num_frees"}
 
 
+@pytest.mark.adapter_independent
 def test_stats_exact_after_allocating_and_freeing():
     before = memory.cpu_memory_stats()
     a = torch.empty(1000)
@@ -120,6 +113,7 @@ def test_stats_exact_after_allocating_and_freeing():
     assert after["num_frees"] - before["num_frees"] == 3
 
 
+@pytest.mark.adapter_independent
 def test_peak_tracks_the_maximum_and_resets():
     memory.reset_peak()
     base = allocated()
@@ -136,6 +130,7 @@ def test_peak_tracks_the_maximum_and_resets():
     assert allocated() == base
 
 
+@pytest.mark.adapter_independent
 def test_concurrent_threads_sum_exactly():
     base = memory.cpu_memory_stats()
     kept = [[] for _ in range(4)]
@@ -163,6 +158,7 @@ def test_concurrent_threads_sum_exactly():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 def test_track_delta_and_peak_of_a_block():
     with track("cpu") as m:
         assert m.delta == 0 and m.peak == 0
@@ -176,6 +172,7 @@ def test_track_delta_and_peak_of_a_block():
     assert m.start == allocated()
 
 
+@pytest.mark.adapter_independent
 def test_track_counts_frees_of_earlier_tensors():
     earlier = torch.empty(1000)
     with track() as m:
@@ -185,6 +182,7 @@ def test_track_counts_frees_of_earlier_tensors():
     assert m.peak == 0  # never above the level at entry
 
 
+@pytest.mark.adapter_independent
 def test_tracks_nest_and_leave_the_global_peak_alone():
     memory.reset_peak()
     with track() as outer:
@@ -199,6 +197,7 @@ def test_tracks_nest_and_leave_the_global_peak_alone():
     del b, c
 
 
+@pytest.mark.adapter_independent
 def test_tracker_reuse_and_errors():
     m = track()
     with pytest.raises(RuntimeError, match="nothing measured yet"):
@@ -214,6 +213,8 @@ def test_tracker_reuse_and_errors():
     assert "done" in repr(m)
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 @pytest.mark.parametrize(
     "device, error",
     [
@@ -232,6 +233,7 @@ def test_bad_devices_raise_clear_errors(device, error):
         track(device)
 
 
+@pytest.mark.adapter_independent
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", 0])
 def test_cuda_without_cuda_raises(device):
@@ -340,17 +342,8 @@ def test_checkpoint_keeps_only_what_the_policy_saves(flavour):
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_intra_op_thread():
-    """Tiny models run many times faster on one thread when the cores are
-    shared (no OpenMP spinning); the leak check does not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("one_intra_op_thread")
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # speed only: the leak check does not depend on it
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "torch_sac_sac"])
 @pytest.mark.parametrize("model_name", sorted(MODEL_BUILDERS))
 def test_no_growth_over_200_training_steps(model_name, checkpointed):
@@ -384,6 +377,7 @@ def test_no_growth_over_200_training_steps(model_name, checkpointed):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 def test_lazy_clone_and_materialization():
     a = torch.arange(1000, dtype=torch.float32)
     with track() as m:
@@ -394,6 +388,7 @@ def test_lazy_clone_and_materialization():
     assert a[7].item() == 7 and b[7].item() == 14
 
 
+@pytest.mark.adapter_independent
 def test_resize_counts_the_new_allocation():
     with track() as m:
         a = torch.empty(10)
@@ -402,6 +397,7 @@ def test_resize_counts_the_new_allocation():
     del a
 
 
+@pytest.mark.adapter_independent
 def test_share_memory_moves_the_bytes_out_of_the_count():
     a = torch.ones(1000)
     with track() as m:
@@ -410,6 +406,7 @@ def test_share_memory_moves_the_bytes_out_of_the_count():
     assert m.delta == -4000  # the data now lives in a shared-memory segment
 
 
+@pytest.mark.adapter_independent
 def test_python_storage_constructors_bypass_the_allocator():
     """Known caveat (torch 2.13): storages made by torch's Python storage
     code (``torch.UntypedStorage(n)``, unpickling, ``copy.deepcopy`` of a
@@ -456,6 +453,7 @@ class FakeCuda:
         self.max[device] = self.allocated[device]
 
 
+@pytest.mark.adapter_independent
 def test_cuda_windows_nest_despite_a_single_device_peak():
     cuda = FakeCuda()
     outer = _CudaWindow(0, cuda)
@@ -474,6 +472,7 @@ def test_cuda_windows_nest_despite_a_single_device_peak():
     assert (outer.current - outer.start, outer.peak) == (600, 4000)
 
 
+@pytest.mark.adapter_independent
 def test_track_on_cuda_with_a_fake_device(monkeypatch):
     cuda = FakeCuda()
     for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):

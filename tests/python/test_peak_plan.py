@@ -6,46 +6,46 @@ Checked against PyTorch (gradients bitwise), the counting allocator (every
 peak within the budget) and two exact oracles written independently of the
 engine: the chain DP (chain_oracle.py) and a MILP solved by HiGHS
 (milp_oracle.py), which also measures the heuristic's gap on graphs that are
-not chains."""
+not chains.
 
+Then plans of real-ish steps (BatchNorm, dropout, in-place ops on views,
+an optimizer, retain_graph, backward on another thread, kwargs, tuple and
+dict outputs, checkpoints and regions inside the planned function, save and
+load) and the planner's input errors: every run, planning included, must
+leave no dispatch mode, region, ``.grad`` or RNG change behind."""
+
+import contextlib
+import copy
 import functools
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
 
 import torch_sac
 from chain_oracle import min_steps
+from helpers import (
+    assert_bitwise,
+    assert_clean,
+    assert_same,
+    backward_on_a_thread,
+    measured,
+    scaled_tanh_chain,
+    tanh_chain,
+    tanh_row,
+    weighted,
+)
 from milp_oracle import chain_deps, min_recompute
 from torch_sac._peak_plan import _first_sweep
 from torch_sac.models import TinyGPT
 
-budget = torch_sac.policies.budget
+P = torch_sac.policies
+RA = P.recompute_all
+budget = P.budget
 
-
-def tanh_chain(n, width=64, batch=512, seed=0, reads=None):
-    """x_i = tanh(linear_i(x_{i-1}) [+ x_j for j in reads(i)]): each step
-    saves one tensor of the same size (tanh's output; the next addmm reads
-    it too); ``reads`` adds skip connections."""
-    torch.manual_seed(seed)
-    layers = [nn.Linear(width, width) for _ in range(n)]
-    x = torch.randn(batch, width, requires_grad=True)
-
-    skips = [reads(i) if reads else [] for i in range(n + 1)]
-    read_later = {j for js in skips for j in js}
-
-    def forward():
-        h, kept = x, {0: x}  # only the tensors a skip reads stay referenced
-        for i, layer in enumerate(layers, 1):
-            h = layer(h)
-            for j in skips[i]:
-                h = h + kept[j]
-            h = torch.tanh(h)
-            if i in read_later:
-                kept[i] = h
-        return h
-
-    return layers, x, forward, batch * width * 4
+pytestmark = pytest.mark.usefixtures("one_thread", "leaves_nothing")
 
 
 def grads_of(forward, layers, x, ctx=None):
@@ -63,14 +63,7 @@ def grads_of(forward, layers, x, ctx=None):
 
 
 def tanh_replays(region):
-    (row,) = [r for r in region.op_details() if r["op"] == "aten::tanh.default"]
-    return row["replayed"]
-
-
-def assert_bitwise(got, want):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"gradient {i} differs"
+    return tanh_row(region)["replayed"]
 
 
 def run_first_sweep_plan(forward, budget_bytes, layers):
@@ -93,6 +86,7 @@ def run_first_sweep_plan(forward, budget_bytes, layers):
     return region
 
 
+@pytest.mark.adapter_independent
 @pytest.mark.parametrize("length", [3, 5, 8])
 @pytest.mark.parametrize("slots", [1, 2, 3, 4])
 def test_milp_oracle_agrees_with_the_chain_dp(length, slots):
@@ -176,7 +170,7 @@ def test_gap_to_the_milp_on_graphs_with_skips(graph, n, slots):
 
 @pytest.mark.parametrize("n,fraction", [(12, 0.8), (12, 0.65), (24, 0.8), (24, 0.5), (24, 0.4)])
 def test_plan_fits_the_peak_and_is_bitwise(n, fraction):
-    layers, x, forward, size = tanh_chain(n)
+    layers, x, forward, size = tanh_chain(n, batch=512)
     want, plain_peak, _ = grads_of(forward, layers, x)
     peak = int(plain_peak * fraction)
     plan = budget(forward, peak_bytes=peak)
@@ -193,7 +187,7 @@ def test_plan_fits_the_peak_and_is_bitwise(n, fraction):
 
 
 def test_a_larger_peak_never_recomputes_more():
-    layers, x, forward, size = tanh_chain(16)
+    layers, x, forward, size = tanh_chain(16, batch=512)
     _, plain_peak, _ = grads_of(forward, layers, x)
     replays = [
         budget(forward, peak_bytes=int(plain_peak * f)).recomputed_ops for f in (0.4, 0.6, 0.8)
@@ -203,7 +197,7 @@ def test_a_larger_peak_never_recomputes_more():
 
 
 def test_plan_that_fits_without_checkpointing_saves_everything():
-    layers, x, forward, size = tanh_chain(4)
+    layers, x, forward, size = tanh_chain(4, batch=512)
     plan = budget(forward, peak_bytes=1 << 40)
     assert plan.solver == "none needed" and plan.optimal
     assert plan.saved is None and plan.replay_budget is None and plan.recomputed_ops == 0
@@ -247,7 +241,7 @@ def test_plan_on_a_transformer_chain():
 
 
 def test_plan_restores_the_rng_state():
-    layers, x, forward, size = tanh_chain(6)
+    layers, x, forward, size = tanh_chain(6, batch=512)
 
     def dropped():
         return torch.nn.functional.dropout(forward(), 0.5)
@@ -259,7 +253,7 @@ def test_plan_restores_the_rng_state():
 
 
 def test_save_and_load(tmp_path):
-    layers, x, forward, size = tanh_chain(12)
+    layers, x, forward, size = tanh_chain(12, batch=512)
     _, plain_peak, _ = grads_of(forward, layers, x)
     plan = budget(forward, peak_bytes=int(plain_peak * 0.5))
     path = tmp_path / "plan.json"
@@ -284,7 +278,7 @@ def test_save_and_load(tmp_path):
 
 
 def test_checkpoint_takes_a_plan():
-    layers, x, forward, size = tanh_chain(8)
+    layers, x, forward, size = tanh_chain(8, batch=512)
     plan = budget(forward, peak_bytes=int(grads_of(forward, layers, x)[1] * 0.7))
     want, _, _ = grads_of(forward, layers, x)
     out = torch_sac.checkpoint(forward, policy=plan)
@@ -293,7 +287,7 @@ def test_checkpoint_takes_a_plan():
 
 
 def test_errors():
-    layers, x, forward, size = tanh_chain(6)
+    layers, x, forward, size = tanh_chain(6, batch=512)
     with pytest.raises(ValueError, match="below the least peak"):
         budget(forward, peak_bytes=1024)
     with pytest.raises(ValueError, match="without bytes, fraction or modules"):
@@ -375,7 +369,7 @@ def test_independent_chains_are_not_claimed_optimal():
     # The first sweep covers one chain only: each rebuild may be an optimal
     # reversal, but the plan is not proven optimal (found by the adversarial
     # review: three chains reported optimal=True).
-    chains = [tanh_chain(8, seed=s) for s in range(3)]
+    chains = [tanh_chain(8, seed=s, batch=512) for s in range(3)]
 
     def forward():
         return sum(f() for _, _, f, _ in chains)
@@ -392,3 +386,400 @@ def test_independent_chains_are_not_claimed_optimal():
     chains_swept = {call // 8 for op, call in roomy.saved if op == "aten::tanh.default"}
     assert len(chains_swept) >= 2, roomy.saved
     assert roomy.measured_peak <= roomy.peak_bytes
+
+
+# --------------------------------------------------------------------------
+# Peak plans on real-ish models: BatchNorm, dropout, in-place ops and views,
+# optimizer steps, retain_graph, threads, kwargs, structured outputs,
+# checkpoints inside the planned function; the planner's input errors
+# --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Linear, BatchNorm, dropout, a wider linear sliced in two (views), an
+    in-place ReLU on one slice, a transpose round trip, a residual add."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+        self.bn = nn.BatchNorm1d(w)
+        self.wide = nn.Linear(w, 2 * w)
+
+    def forward(self, h):
+        y = F.dropout(self.bn(self.lin(h)), 0.3, training=self.training)
+        z = self.wide(y)
+        a, b = z[:, : z.shape[1] // 2], z[:, z.shape[1] // 2 :]
+        y = a.relu_() * torch.sigmoid(b)
+        y = y.t().contiguous().t()
+        return h + y
+
+
+def bn_model(n=5, w=32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block(w) for _ in range(n)])
+
+
+def train_step(model, x, ctx=None, seed=5):
+    """One forward+backward (``.backward()``, grads into .grad) with a fixed
+    RNG; returns the grads, the state dict after, and the peak."""
+    torch.manual_seed(seed)
+    with torch_sac.memory.track() as m:
+        if ctx is None:
+            loss = model(x).pow(2).mean()
+        else:
+            with ctx:
+                loss = model(x).pow(2).mean()
+        loss.backward()
+        del loss
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads, copy.deepcopy(model.state_dict()), m.peak
+
+
+def assert_state_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"state {k} differs"
+
+
+@pytest.fixture(scope="module")
+def bn_plan():
+    """A plan for bn_model at 60% of its peak, planned from a saved state."""
+    torch.set_num_threads(1)
+    model = bn_model()
+    x = torch.randn(128, 32)
+    state0 = copy.deepcopy(model.state_dict())
+    want, after_plain, peak = train_step(model, x)
+    model.load_state_dict(state0)
+    rng = torch.get_rng_state()
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+    seen = []  # num_batches_tracked after each BatchNorm forward while planning
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: seen.append(m.num_batches_tracked.item()))
+        for m in bns
+    ]
+    plan = budget(lambda: model(x).pow(2).mean(), peak_bytes=int(peak * 0.6))
+    for h in hooks:
+        h.remove()
+    info = {
+        "rng_same": torch.equal(rng, torch.get_rng_state()),
+        "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+        "bn_batches": [m.num_batches_tracked.item() for m in bns],
+        "bn_seen": seen,
+        "state_same": all(torch.equal(v, state0[k]) for k, v in model.state_dict().items()),
+        "dispatch": torch._C._len_torch_dispatch_stack(),
+    }
+    model.load_state_dict(state0)
+    return model, x, state0, want, after_plain, plan, info
+
+
+def test_planner_leaves_no_grad_no_mode_and_restores_the_rng(bn_plan):
+    model, x, state0, want, after_plain, plan, info = bn_plan
+    assert info["rng_same"]
+    assert info["grads_left"] == []
+    assert info["dispatch"] == 0
+    # Documented: fn really runs in every measured run, and each forward
+    # moves BatchNorm's statistics exactly once, from where they were before
+    # planning (every run measures the same step); planning puts them back.
+    assert info["bn_seen"] == [1] * (5 * plan.planning_runs)
+    assert info["bn_batches"] == [0] * 5 and info["state_same"]
+    assert plan.recomputed_ops > 0 and plan.measured_peak <= plan.peak_bytes
+
+
+def test_plan_with_batchnorm_dropout_inplace_views_is_bitwise_and_updates_stats_once(bn_plan):
+    model, x, state0, want, after_plain, plan, _ = bn_plan
+    model.load_state_dict(state0)
+    got, after, peak = train_step(model, x, torch_sac.sac_context(plan))
+    assert_same(got, want)
+    assert_state_equal(after, after_plain)  # running stats moved exactly once
+    assert peak <= plan.peak_bytes
+
+
+def test_plan_reused_over_training_steps_with_an_optimizer(bn_plan):
+    model, x, state0, _, _, plan, _ = bn_plan
+
+    def train(use_plan):
+        model.load_state_dict(state0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i in range(3):
+            torch.manual_seed(100 + i)
+            with torch_sac.sac_context(plan) if use_plan else contextlib.nullcontext():
+                loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return copy.deepcopy(model.state_dict())
+
+    assert_state_equal(train(True), train(False))
+
+
+def test_plan_with_retain_graph_and_backward_on_another_thread(bn_plan):
+    model, x, state0, _, _, plan, _ = bn_plan
+
+    def step(ctx, how):
+        model.load_state_dict(state0)
+        torch.manual_seed(3)
+        with ctx:
+            loss = model(x).pow(2).mean()
+        if how == "retain":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            backward_on_a_thread(loss)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    for how in ("retain", "thread"):
+        assert_same(step(torch_sac.sac_context(plan), how), step(contextlib.nullcontext(), how))
+
+
+def test_plan_in_eval_mode_and_with_other_batch_sizes(bn_plan):
+    model, _, state0, _, _, plan, _ = bn_plan
+    for train_mode, batch in ((True, 7), (True, 512), (False, 64)):
+        model.load_state_dict(state0)
+        model.train(train_mode)
+        xb = torch.randn(batch, 32, generator=torch.Generator().manual_seed(batch))
+        want, sd_want, _ = train_step(model, xb)
+        model.load_state_dict(state0)
+        got, sd_got, _ = train_step(model, xb, torch_sac.sac_context(plan))
+        assert_same(got, want, f"batch {batch}")
+        assert_state_equal(sd_got, sd_want)
+    model.train(True)
+
+
+def test_plan_save_load_round_trip_runs_exactly(bn_plan, tmp_path):
+    model, x, state0, want, after_plain, plan, _ = bn_plan
+    plan.save(tmp_path / "p.json")
+    loaded = torch_sac.PeakPlan.load(tmp_path / "p.json")
+    assert loaded.to_dict() == plan.to_dict()
+    model.load_state_dict(state0)
+    got, after, _ = train_step(model, x, torch_sac.sac_context(loaded))
+    assert_same(got, want)
+    assert_state_equal(after, after_plain)
+    text = loaded.table()
+    assert "peak plan" in text and "aten::" in text
+
+
+@pytest.mark.parametrize("frac", [0.9, 0.6])
+def test_plan_with_kwargs_and_rerun_peak_within_budget(frac):
+    layers, x, leaves, fwd = scaled_tanh_chain(12, batch=256)
+    want, peak, _ = measured(lambda: fwd(x, scale=2.0), leaves)
+    plan = budget(fwd, x, scale=2.0, peak_bytes=int(peak * frac))
+    assert plan.measured_peak <= plan.peak_bytes
+    got, rerun, region = measured(lambda: fwd(x, scale=2.0), leaves, torch_sac.sac_context(plan))
+    assert_same(got, want)
+    assert rerun <= plan.peak_bytes
+    assert region.stats()["replayed_ops"] == plan.recomputed_ops
+    assert all(p.grad is None for p in leaves)
+
+
+def test_plan_for_tuple_and_dict_outputs_some_not_requiring_grad():
+    layers, x, leaves, fwd = scaled_tanh_chain(8, batch=128)
+
+    def many():
+        return (fwd(), fwd().detach(), {"k": fwd() * 3, "n": 4, "i": fwd().argmax(1)})
+
+    def used():
+        out = many()
+        return out[0], out[2]["k"]
+
+    want, peak, _ = measured(used, leaves)
+    plan = budget(many, peak_bytes=int(peak * 0.8))
+
+    got, _, _ = measured(used, leaves, torch_sac.sac_context(plan))
+    assert_same(got, want)
+    # checkpoint(policy=plan) returns the structure as is.
+    out = torch_sac.checkpoint(many, policy=plan)
+    assert isinstance(out[2], dict) and out[2]["n"] == 4 and not out[1].requires_grad
+    assert_same(torch.autograd.grad(weighted((out[0], out[2]["k"])), leaves), want)
+
+
+def test_plan_on_a_transformer_with_dropout_and_a_convnet_with_batchnorm():
+    class ConvNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                [
+                    nn.Sequential(
+                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True)
+                    )
+                    for _ in range(5)
+                ]
+            )
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 32, (2, 32))
+    image = torch.randn(4, 8, 12, 12)
+    cases = [
+        (
+            TinyGPT(vocab=32, dim=32, heads=2, depth=4, dropout=0.1),
+            lambda m: m(tokens).float().pow(2).mean(),
+        ),
+        (ConvNet(), lambda m: m(image).pow(2).mean()),
+    ]
+    for model, loss in cases:
+        params = list(model.parameters())
+        state0 = copy.deepcopy(model.state_dict())
+        want, peak, _ = measured(lambda: loss(model), params)
+        after_plain = copy.deepcopy(model.state_dict())
+        for frac in (0.8, 0.5):
+            try:
+                plan = budget(lambda: loss(model), peak_bytes=int(peak * frac))
+            except ValueError as e:
+                assert "below the least peak" in str(e)
+                continue
+            model.load_state_dict(state0)
+            got, rerun, _ = measured(lambda: loss(model), params, torch_sac.sac_context(plan))
+            assert_same(got, want, f"{type(model).__name__} at {frac}")
+            assert_state_equal(model.state_dict(), after_plain)
+            assert rerun <= plan.peak_bytes
+            assert all(p.grad is None for p in params)
+
+
+def test_plan_with_checkpoints_and_regions_inside_fn():
+    layers, x, leaves, fwd = scaled_tanh_chain(9, batch=64)
+
+    def blk(i, h):
+        return torch.tanh(layers[i](h))
+
+    def body(kind):
+        h = x
+        for i in range(9):
+            if i % 3 == 0 and kind == "nonreentrant":
+                h = tc.checkpoint(blk, i, h, use_reentrant=False)
+            elif i % 3 == 0 and kind == "dropin":
+                h = tc.checkpoint(
+                    blk,
+                    i,
+                    h,
+                    use_reentrant=False,
+                    context_fn=functools.partial(
+                        torch_sac.create_selective_checkpoint_contexts, RA()
+                    ),
+                )
+            elif i % 3 == 0 and kind == "region":
+                h = torch_sac.checkpoint(blk, i, h, policy=P.save_all())
+            else:
+                h = blk(i, h)
+        return h
+
+    want, _, _ = measured(lambda: body("plain"), leaves)
+    for kind in ("nonreentrant", "dropin", "region"):
+        _, peak, _ = measured(lambda: body(kind), leaves)
+        plan = budget(body, kind, peak_bytes=int(peak * 0.9))
+        assert all(p.grad is None for p in leaves)
+        got, _, _ = measured(lambda: body(kind), leaves, torch_sac.sac_context(plan))
+        assert_same(got, want, kind)
+
+
+def test_planner_error_in_fn_on_a_later_run_leaves_nothing():
+    layers, x, leaves, fwd = scaled_tanh_chain(8)
+    _, peak, _ = measured(fwd, leaves)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 3:  # inside a planning region (this plan takes 3 runs)
+            raise KeyError("boom")
+        return fwd()
+
+    rng = torch.get_rng_state()
+    with pytest.raises(KeyError, match="boom"):
+        budget(flaky, peak_bytes=int(peak * 0.85))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in leaves)
+    assert_clean()
+    # The next plan works.
+    assert budget(fwd, peak_bytes=int(peak * 0.85)).measured_peak <= int(peak * 0.85)
+
+
+def test_planner_argument_errors_are_clear():
+    layers, x, leaves, fwd = scaled_tanh_chain(6)
+    for bad in (0, -5, 1e6, True, "1000", None.__class__):
+        with pytest.raises((ValueError, TypeError), match="peak_bytes"):
+            budget(fwd, peak_bytes=bad)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        budget(3, peak_bytes=100)
+    with pytest.raises(ValueError, match="do not require grad"):
+        budget(lambda: fwd().detach(), peak_bytes=100)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="do not require grad"):
+            budget(fwd, peak_bytes=100)
+    with pytest.raises(ValueError, match="below the least peak"):
+        budget(fwd, peak_bytes=64)
+    with pytest.raises(ValueError, match="without bytes, fraction or modules"):
+        budget(fwd, peak_bytes=1 << 20, fraction=0.5)
+    with pytest.raises(ValueError, match="peak_plan/1"):
+        torch_sac.PeakPlan.from_dict([1])
+    d = budget(fwd, peak_bytes=1 << 40).to_dict()
+    with pytest.raises(ValueError, match=">= 0"):
+        torch_sac.PeakPlan.from_dict({**d, "replay_budget": [-4, True]})
+    with pytest.raises(ValueError, match="aten::mm.default"):
+        torch_sac.PeakPlan.from_dict({**d, "saved": [["nonsense", 1]]})
+    # A plan nested in another region is refused (its budget applies only
+    # to an outermost region), and leaves nothing installed.
+    plan = budget(fwd, peak_bytes=int(measured(fwd, leaves)[1] * 0.9))
+    assert plan.replay_budget is not None
+    with torch_sac.sac_context(RA()):
+        with pytest.raises(ValueError, match="nested"):
+            with torch_sac.sac_context(plan):
+                pass
+    with pytest.raises(TypeError, match="runs as one region"):
+        torch_sac.apply_sac(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), plan)
+    assert_clean()
+
+
+def test_planner_on_fn_returning_a_leaf_raises_a_clear_error():
+    w = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(ValueError, match="torch_sac"):
+        budget(lambda: w, peak_bytes=10)
+
+
+def test_peak_plan_from_dict_with_missing_or_malformed_fields_raises_value_error():
+    with pytest.raises(ValueError, match="peak_plan"):
+        torch_sac.PeakPlan.from_dict({"format": "torch_sac.peak_plan/1"})
+    layers, x, leaves, fwd = scaled_tanh_chain(4)
+    d = budget(fwd, peak_bytes=1 << 40).to_dict()
+    with pytest.raises(ValueError, match="replay_budget"):
+        torch_sac.PeakPlan.from_dict({**d, "replay_budget": 5})
+
+
+def test_planner_rejects_invalid_cost_with_peak_bytes():
+    layers, x, leaves, fwd = scaled_tanh_chain(4)
+    with pytest.raises(ValueError, match="cost"):
+        budget(fwd, peak_bytes=1 << 40, cost="bogus")
+
+
+def test_planner_accepts_numpy_integer_peak_bytes_like_replay_budget_does():
+    np = pytest.importorskip("numpy")
+    assert torch_sac.ReplayBudget(np.int64(5)).bytes == 5
+    layers, x, leaves, fwd = scaled_tanh_chain(4)
+    assert budget(fwd, peak_bytes=np.int64(1 << 40)).solver == "none needed"
+
+
+def test_planner_inside_an_open_region_says_so():
+    layers, x, leaves, fwd = scaled_tanh_chain(6)
+    with torch_sac.sac_context(RA()):
+        with pytest.raises(RuntimeError, match=r"policies\.budget.*plan outside it"):
+            budget(fwd, peak_bytes=60000)
+
+
+def test_none_needed_plan_counts_the_replays_of_regions_inside_fn():
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def fn():
+        with torch_sac.sac_context(RA()):
+            return torch.sin(torch.tanh(x))
+
+    plan = budget(fn, peak_bytes=1 << 30)
+    assert plan.solver == "none needed"
+    with torch_sac.sac_context(plan) as region:
+        out = fn()
+    out.sum().backward()
+    assert region.stats()["replayed_ops"] == plan.recomputed_ops

@@ -26,19 +26,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_sac
+from helpers import assert_bitwise
 from torch_sac._peak_plan import MAX_PLANNING_RUNS, _measure
 from torch_sac.models import TinyGPT
 
 budget = torch_sac.policies.budget
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Deterministic CPU kernels: gradients compare bitwise, peaks repeat.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread: deterministic CPU kernels, so gradients compare
+# bitwise and peaks repeat.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def counted(fn):
@@ -67,12 +64,6 @@ def grads(step, leaves, plan=None):
         with torch_sac.sac_context(plan):
             out = step()
     return torch.autograd.grad(out, leaves)
-
-
-def assert_bitwise(got, want):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"gradient {i} differs"
 
 
 def tiny_gpt_step(seed=0):
@@ -109,6 +100,7 @@ def tiny_mamba():
     return model, step
 
 
+@pytest.mark.slow
 def test_mamba_plans_below_recomputing_everything_and_refuses_only_below_a_measured_peak():
     model, step = tiny_mamba()
     leaves = list(model.parameters())
@@ -149,6 +141,7 @@ def test_mamba_plans_below_recomputing_everything_and_refuses_only_below_a_measu
     assert all(p.grad is None for p in leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["chain", "gpt"])
 def test_the_least_peak_a_refusal_states_is_reached_by_planning_for_it(which):
     if which == "chain":
@@ -179,6 +172,7 @@ def test_the_least_peak_a_refusal_states_is_reached_by_planning_for_it(which):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.05, 0.25, 0.4, 0.6, 0.9, 2.0])
 def test_planning_runs_on_a_transformer_step_are_bounded(fraction):
     _, step = tiny_gpt_step()

@@ -718,6 +718,7 @@ def _via_torch_sac(policy):
     return functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "contexts", [_via_torch, _via_torch_sac], ids=["torch_to_torch", "torch_sac_dropin"]
 )
@@ -821,12 +822,14 @@ def test_name_under_compile_is_an_fx_annotation():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.adapter_independent
 @pytest.mark.parametrize("bad", [3, None, b"attn", ["attn"]], ids=["int", "None", "bytes", "list"])
 def test_name_rejects_non_str(bad):
     with pytest.raises(TypeError, match=repr(bad).replace("[", r"\[").replace("]", r"\]")):
         torch_sac.name(bad)
 
 
+@pytest.mark.adapter_independent
 def test_name_rejects_empty():
     with pytest.raises(ValueError, match="non-empty"):
         torch_sac.name("")
@@ -840,6 +843,7 @@ SAVE_BY_NAME_BAD = [
 ]
 
 
+@pytest.mark.adapter_independent
 @pytest.mark.parametrize("args,bad", SAVE_BY_NAME_BAD, ids=["int", "float", "None_in_list", "dict"])
 def test_save_by_name_rejects_non_str(args, bad):
     with pytest.raises(TypeError) as excinfo:
@@ -847,6 +851,7 @@ def test_save_by_name_rejects_non_str(args, bad):
     assert bad in str(excinfo.value)
 
 
+@pytest.mark.adapter_independent
 def test_save_by_name_rejects_empty_name_and_accepts_no_names():
     with pytest.raises(ValueError, match="non-empty"):
         policies.save_by_name("attn", "")
@@ -932,6 +937,7 @@ def _matmul_like_ops_autograd_sees():
     return found
 
 
+@pytest.mark.adapter_independent
 def test_save_matmuls_lists_every_matmul_of_the_installed_torch():
     """A release that adds a matmul-class op fails here until the op is in
     builtin_policies.cpp's list (or in _NOT_MATMULS with its reason)."""
@@ -998,6 +1004,7 @@ def test_save_matmuls_keeps_a_scaled_mm_output_a_later_op_saves():
     assert (row["saved"], row["dropped"]) == (1, 0), row
 
 
+@pytest.mark.adapter_independent
 def test_docs_list_every_op_save_matmuls_saves():
     with open(os.path.join(REPO_ROOT, "docs", "policies.md")) as f:
         page = f.read()

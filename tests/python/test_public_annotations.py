@@ -8,6 +8,9 @@ import inspect
 
 import pytest
 
+# Reads signatures: nothing runs under an adapter.
+pytestmark = pytest.mark.adapter_independent
+
 
 MODULES = (
     "torch_sac",

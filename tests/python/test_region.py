@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import torch_sac
 from conftest import (
     RUN_SEED,
-    RunResult,
+    collect,
     assert_buffers_equal,
     assert_grads_equal,
     assert_tensors_equal,
@@ -105,17 +105,6 @@ def forward_in_region(module, x, policy, mode, allow=False, contexts=None):
     if mode == "checkpoint":
         return torch_sac.checkpoint(module, x, policy=policy, allow_cache_entry_mutation=allow)
     raise AssertionError(mode)
-
-
-def collect(module, x, out):
-    return RunResult(
-        out=out.detach().clone(),
-        param_grads={
-            n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()
-        },
-        input_grad=None if x.grad is None else x.grad.clone(),
-        buffers={n: b.clone() for n, b in module.named_buffers()},
-    )
 
 
 def run_step(model, policy=None, mode="whole", allow=False, seed=RUN_SEED, wrap=None):
@@ -1437,6 +1426,7 @@ def _train_steps(n, policy_name, model="mlp"):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls", "callable"])
 def test_no_python_object_growth_over_many_steps(policy_name):
     _train_steps(20, policy_name)  # warm up caches (op handles, policy tables)
@@ -1450,6 +1440,7 @@ def test_no_python_object_growth_over_many_steps(policy_name):
     assert after - before < 100, f"{after - before} more gc-tracked objects after 300 steps"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model,policy_name", [("convbn", "save_matmuls"), ("lstm_loop", "recompute_all")]
 )

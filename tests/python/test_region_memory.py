@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import torch_sac
 from conftest import RUN_SEED, aten, loss_of
+from helpers import allocated, storage_bytes  # noqa: F401  (test_apply.py imports storage_bytes from here)
 from models import MLP, ConvBN, GPTBlock, Stack, _input_factory, _seeded
 from torch_sac import memory
 from torch_sac.memory import track
@@ -99,30 +100,11 @@ def counting_allocator():
     gc.collect()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """Speed only (as in test_memory.py): on a machine whose cores are busy
-    with other work, OpenMP's parallel regions stall the tiny kernels here
-    (1,000 steps went from 2 s to over 60 s); one thread avoids that. Every
-    byte count asserted here measured the same with 1 and 2 threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def allocated():
-    return memory.cpu_memory_stats()["allocated"]
-
-
-def storage_bytes(tensors):
-    """Bytes of the distinct storages of ``tensors`` (None skipped)."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tensors
-        if t is not None
-    }
-    return sum(storages.values())
+# One intra-op thread: speed only. On a machine whose cores are busy with
+# other work, OpenMP's parallel regions stall the tiny kernels here (1,000
+# steps went from 2 s to over 60 s); one thread avoids that. Every byte count
+# asserted here measured the same with 1 and 2 threads.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------
@@ -436,6 +418,7 @@ LEAK_STEPS = 1000
 LEAK_WARMUP = 3  # the optimizer creates its momentum buffers in the first step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy_name", ["recompute_all", "save_matmuls"])
 @pytest.mark.parametrize("model", list(LEAK_MODELS))
 def test_no_growth_over_1000_training_steps(model, policy_name):

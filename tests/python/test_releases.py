@@ -16,6 +16,7 @@ from torch_sac import _C, _compat
 from conftest import REPO_ROOT
 
 
+@pytest.mark.adapter_independent
 def test_release_is_supported():
     assert _compat.TORCH_RELEASE[:2] in _compat.SUPPORTED_RELEASES, (
         f"torch {torch.__version__} is outside the supported range; add it to "
@@ -23,10 +24,12 @@ def test_release_is_supported():
     )
 
 
+@pytest.mark.adapter_independent
 def test_built_with_the_running_torch():
     assert _compat._release(_C.built_with_torch()) == _compat.TORCH_RELEASE
 
 
+@pytest.mark.adapter_independent
 def test_another_release_is_refused_naming_both():
     with pytest.raises(ImportError) as info:
         _compat.check_built_with("2.9.1")
@@ -38,6 +41,8 @@ def test_another_release_is_refused_naming_both():
     _compat.check_built_with(release + "+cu130")
 
 
+@pytest.mark.slow
+@pytest.mark.adapter_independent
 def test_import_refuses_a_build_for_another_release(tmp_path):
     """The check runs before the extension loads: a fake _build_info naming
     another release stops the import with both releases in the message."""
@@ -62,6 +67,7 @@ def test_import_refuses_a_build_for_another_release(tmp_path):
     assert torch.__version__ in result.stderr
 
 
+@pytest.mark.adapter_independent
 def test_torchs_ignored_ops_are_ignored():
     """torch's own SAC_IGNORED_OPS, read at import, is part of the set
     (torch 2.15 adds prim.layout.default)."""
@@ -81,15 +87,18 @@ def test_adapter_choice_follows_the_key_position():
     assert _C.key_adapter_runs_below_modes() == (_compat.TORCH_RELEASE >= (2, 13))
 
 
+@pytest.mark.adapter_independent
 def test_policy_output_known_from_torchs_signature():
     ctx_params = tc.SelectiveCheckpointContext.__init__.__code__.co_varnames
     assert _compat.sac_policy_sees_output() == ("op_output" in ctx_params)
 
 
+@pytest.mark.adapter_independent
 def test_is_compiling_false_in_eager():
     assert not _compat.is_compiling()
 
 
+@pytest.mark.adapter_independent
 def test_fsdp_param_groups_both_layouts():
     group = object()
     assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_groups=[group])) == [group]

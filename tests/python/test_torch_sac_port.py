@@ -151,6 +151,7 @@ def _flops_mem_step(engine, policy, x, y):
     return run_ckpt(engine, mm_fn, x, y, policy=policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", FLOPS_MEM_CASES, ids=[c[0] for c in FLOPS_MEM_CASES])
 def test_flops_and_mem_activation_memory(engine, case, mm_inputs):
@@ -306,6 +307,7 @@ _SUBCLASS_REGION_SCRIPT = textwrap.dedent(
 ).format(tests_dir=os.path.join(REPO_ROOT, "tests", "python"))
 
 
+@pytest.mark.slow
 def test_subclass_in_region_is_exact():
     """Companion of ``test_subclass_dispatching_sizes`` for the region
     engine: ops on a tensor subclass run as if outside the region (kept as

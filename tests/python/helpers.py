@@ -1,0 +1,251 @@
+"""Helpers shared by several test files (conftest.py holds the fixtures and
+the helpers of the parity tests; models.py the small models; hf_tiny.py the
+Hugging Face ones).
+
+* A chain of Linear+tanh layers (:func:`tanh_chain`), the replay-budget's
+  and peak planner's standard program.
+* Bitwise comparison of gradient lists, and reading them off leaves.
+* Checks that a run left nothing installed (:func:`assert_clean`).
+* A weighted loss, backward in several ways (on another thread, twice with
+  ``retain_graph``).
+* The counting allocator's readings (:func:`allocated`, :func:`storage_bytes`).
+"""
+
+import contextlib
+import os
+import threading
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+
+import torch_sac
+import torch_sac.region
+
+aten = torch.ops.aten
+
+# Policies by name: the random programs and budget tests draw from these.
+POLICIES = {
+    "recompute_all": torch_sac.policies.recompute_all,
+    "save_matmuls": torch_sac.policies.save_matmuls,
+    "save_all": torch_sac.policies.save_all,
+    "every2": lambda: torch_sac.policies.every_nth([aten.tanh.default, aten.sin.default], 2),
+}
+
+# --------------------------------------------------------------------------
+# The tanh chain
+# --------------------------------------------------------------------------
+
+
+class TanhChain(NamedTuple):
+    """``layers, x, forward, step_bytes = tanh_chain(...)``."""
+
+    layers: list
+    x: torch.Tensor
+    forward: Callable
+    step_bytes: int  # one step's saved tensor (tanh's output), float32
+
+    @property
+    def leaves(self):
+        """Every layer's parameters, then x."""
+        return [p for layer in self.layers for p in layer.parameters()] + [self.x]
+
+
+def tanh_chain(n, width=64, batch=32, seed=0, reads=None, scale=None):
+    """x_i = tanh(linear_i(x_{i-1}) [+ x_j for j in reads(i)]): each step
+    saves one tensor of the same size (tanh's output, read by its own
+    backward and the next addmm's); ``reads`` adds skip connections.
+
+    ``forward(inp=None, scale=scale)`` starts from ``inp`` (default x) and
+    multiplies the output by ``scale`` unless it is None (one more op)."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(width, width) for _ in range(n)]
+    x = torch.randn(batch, width, requires_grad=True)
+
+    skips = [reads(i) if reads else [] for i in range(n + 1)]
+    read_later = {j for js in skips for j in js}
+
+    def forward(inp=None, scale=scale):
+        h = x if inp is None else inp
+        kept = {0: h}  # only the tensors a skip reads stay referenced
+        for i, layer in enumerate(layers, 1):
+            h = layer(h)
+            for j in skips[i]:
+                h = h + kept[j]
+            h = torch.tanh(h)
+            if i in read_later:
+                kept[i] = h
+        return h if scale is None else h * scale
+
+    return TanhChain(layers, x, forward, batch * width * 4)
+
+
+def scaled_tanh_chain(n=10, width=32, batch=64, seed=0):
+    """``layers, x, leaves, fwd``: a tanh_chain whose ``fwd(inp=None,
+    scale=1.0)`` always scales its output (the nested-region and peak-plan
+    tests' chain)."""
+    chain = tanh_chain(n, width, batch, seed, scale=1.0)
+    return chain.layers, chain.x, chain.leaves, chain.forward
+
+
+def measured(fn, leaves, ctx=None, seed=1):
+    """Gradients of weighted(fn()) w.r.t. leaves (autograd.grad), the step's
+    peak above its start, and the region ``ctx`` opened (None without)."""
+    torch.manual_seed(seed)
+    region = None
+    with torch_sac.memory.track() as m:
+        if ctx is None:
+            out = fn()
+        else:
+            with ctx as region:
+                out = fn()
+        got = torch.autograd.grad(weighted(out), leaves, allow_unused=True)
+        del out
+    return got, m.peak, region
+
+
+def tanh_row(region):
+    """The region's op_details() row of aten::tanh.default."""
+    (row,) = [r for r in region.op_details() if r["op"] == "aten::tanh.default"]
+    return row
+
+
+# --------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------
+
+
+def leaves_grads(leaves):
+    """Copies of the leaves' ``.grad`` (None where none), which are reset."""
+    out = []
+    for t in leaves:
+        out.append(None if t.grad is None else t.grad.clone())
+        t.grad = None
+    return out
+
+
+def assert_bitwise(got, want):
+    """Two lists of gradients equal bitwise, element by element."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"gradient {i} differs"
+
+
+def assert_same(got, want, what="gradient"):
+    """Two lists of tensors (or Nones) equal bitwise, with shapes, dtypes and
+    the largest difference in the message."""
+    assert len(got) == len(want), f"{what}: {len(got)} vs {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None or g is None:
+            assert g is None and w is None, f"{what} {i}: {g is None} vs {w is None}"
+            continue
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{what} {i}: {g.shape} vs {w.shape}"
+        if not torch.equal(g, w):
+            diff = (g.double() - w.double()).abs().max().item()
+            raise AssertionError(f"{what} {i}: not bitwise equal (max abs diff {diff:.3g})")
+
+
+def assert_clean():
+    """No region open, no dispatch mode installed, grad mode on."""
+    assert torch_sac.region._stack() == [], "a region stayed on the stack"
+    assert torch._C._len_torch_dispatch_stack() == 0, "a dispatch mode stayed installed"
+    assert torch.is_grad_enabled()
+
+
+# --------------------------------------------------------------------------
+# Losses and backward
+# --------------------------------------------------------------------------
+
+
+def weighted(out):
+    """A loss: each output tensor times fixed random weights, summed (over
+    tuples, lists and dict values too)."""
+    if isinstance(out, dict):
+        return sum(weighted(v) for v in out.values())
+    if isinstance(out, (tuple, list)):
+        return sum(weighted(o) for o in out)
+    g = torch.Generator().manual_seed(7)
+    return (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+
+
+@contextlib.contextmanager
+def on_threads(work, count=1, timeout=30):
+    """Runs ``work(i)`` on ``count`` threads while the block runs; after it,
+    fails if one of them hung and raises the first error one raised."""
+    errors = []
+
+    def target(i):
+        try:
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "hung"
+    if errors:
+        raise errors[0]
+
+
+def backward_on_a_thread(loss, **kwargs):
+    """loss.backward() on another thread; its error, if any, is raised here."""
+    with on_threads(lambda i: loss.backward(**kwargs)):
+        pass
+
+
+def backward(loss, how):
+    """Backward as ``how`` says: "plain", "retain" (twice, retaining the graph
+    the first time: gradients accumulate) or "thread" (on another thread)."""
+    if how == "retain":
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif how == "thread":
+        backward_on_a_thread(loss)
+    else:
+        loss.backward()
+
+
+# --------------------------------------------------------------------------
+# The counting allocator
+# --------------------------------------------------------------------------
+
+
+def allocated():
+    """Bytes the counting CPU allocator holds now."""
+    return torch_sac.memory.cpu_memory_stats()["allocated"]
+
+
+def storage_bytes(tensors):
+    """Bytes of the distinct storages of ``tensors`` (None skipped)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tensors
+        if t is not None
+    }
+    return sum(storages.values())
+
+
+# --------------------------------------------------------------------------
+# Random programs
+# --------------------------------------------------------------------------
+
+
+def derandomized(env, default):
+    """hypothesis settings of the random-program tests: ``max_examples``
+    from the environment variable ``env`` (else ``default``), derandomized,
+    no deadline, no example database, no health checks."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=int(os.environ.get(env, str(default))),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
