@@ -9,13 +9,15 @@ Modules import only modules of lower layers (docs/design/layers.md;
 1. state: ``_C``, ``_compat``, ``_adapter``, ``policy``, ``_state``,
    ``_ignored_ops``, ``_budget_types``, ``_engines``, ``_build_info``
 2. utilities: ``_modes``, ``_compile``, ``_fsdp``, ``scopes``, ``memory``,
-   ``schedule``, ``_op_profile``, ``_blocks``, ``models``
+   ``schedule``, ``_op_profile``, ``_profile_report``, ``_blocks``,
+   ``_block_calls``, ``_step_state``, ``models``
 3. policy conversion: ``_torch_policy``, ``_policy_conversion``
 4. engines: ``contexts`` (the drop-in), ``region``, ``checkpointing``
-5. planners: ``_peak_plan``, ``_budget`` (``budget_for_region``,
+5. planners: ``_planner_checks``, ``_budget_table``, ``_peak_plan``,
+   ``_peak_search``, ``_budget`` (``budget_for_region``,
    ``budget_for_model``, ``plan_peak``)
 6. front doors: ``policies`` (the built-in policies and the planners),
-   ``apply``, ``profiler``, ``cli``, ``demo``, this package
+   ``apply``, ``profiler``, ``_cli_report``, ``cli``, ``demo``, this package
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)

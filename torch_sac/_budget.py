@@ -1,20 +1,42 @@
-"""The memory-budget policy: profile a region once, then choose in C++ which op
-outputs to keep so the recompute cost avoided is as large as possible."""
+"""The memory-budget planners and their plans: profile a region once, then
+choose in C++ which op outputs to keep so the recompute cost avoided is as
+large as possible (:class:`BudgetPolicy`, per block :class:`ModelBudget`);
+:func:`plan_peak` forwards to the peak planner (``_peak_search.py``).
+
+How a plan reads (its items, rows and tables) is in ``_budget_table.py``,
+the planners' argument checks in ``_planner_checks.py``, the capture of a
+model's block calls in ``_block_calls.py``."""
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import math
-import numbers
 from typing import Any, Callable, Sequence
 
 import torch
 
 from . import _C
-from ._blocks import find_blocks, select_blocks
+from ._block_calls import block_calls, block_signature
+from ._blocks import find_blocks
+from ._budget_table import (
+    PlanItem,
+    PlanRow,
+    bytes_of,
+    fold_rows,
+    format_cost,
+    model_table,
+    plan_table,
+)
 from ._op_profile import RegionProfile, format_bytes, profile_region
-from ._peak_plan import PeakPlan, plan_for_peak
+from ._peak_plan import PeakPlan
+from ._peak_search import plan_for_peak
+from ._planner_checks import (
+    SOLVERS,
+    check_budget,
+    check_callable,
+    check_choice,
+    check_example_kwargs,
+    check_examples,
+    check_options,
+)
 
 __all__ = [
     "budget",
@@ -26,192 +48,6 @@ __all__ = [
     "PlanItem",
     "PlanRow",
 ]
-
-_COSTS = ("time", "flops")
-_SOLVERS = ("auto", "exact", "greedy")
-
-
-class PlanItem:
-    """One op call of the profiled region and what the plan does with it."""
-
-    __slots__ = ("op", "call_index", "cost", "bytes", "new_bytes", "saveable", "why_not", "saved")
-
-    def __init__(
-        self,
-        op: torch._ops.OpOverload,
-        call_index: int,
-        cost: float,
-        bytes: int,
-        new_bytes: int,
-        saveable: bool,
-        why_not: str,
-        saved: bool,
-    ) -> None:
-        self.op = op  # OpOverload
-        self.call_index = call_index  # per op overload, within the region
-        self.cost = cost  # recompute cost (seconds or FLOPs)
-        self.bytes = bytes  # bytes of the region storages its outputs keep
-        self.new_bytes = new_bytes  # of which it allocated itself (0: view / in-place)
-        self.saveable = saveable
-        self.why_not = why_not
-        self.saved = saved  # MUST_SAVE in the plan
-
-    @property
-    def key(self) -> tuple[torch._ops.OpOverload, int]:
-        return (self.op, self.call_index)
-
-    def __repr__(self):
-        return (
-            f"PlanItem({self.op}, call={self.call_index}, cost={self.cost:.4g}, "
-            f"bytes={self.bytes}, new_bytes={self.new_bytes}, saved={self.saved})"
-        )
-
-
-class PlanRow:
-    """One row of :meth:`BudgetPolicy.table`: an op call that allocates region
-    memory, with the calls that use only that memory folded into it.
-
-    A view's outputs share its base's storage and an in-place op's output is
-    its input, so saving either costs no memory beyond the storage's
-    producer: they are folded into the producer's row, and the row's cost and
-    value include theirs.
-    """
-
-    __slots__ = ("item", "folded", "cost", "value", "bytes")
-
-    def __init__(
-        self, item: PlanItem, folded: list[PlanItem], cost: float, value: float, bytes: int
-    ) -> None:
-        self.item = item  # PlanItem of the call that allocated the storage
-        self.folded = folded  # PlanItems of the views / in-place ops using it
-        self.cost = cost  # recompute cost of item and folded calls
-        self.value = value  # of which saving could avoid (saveable calls)
-        self.bytes = bytes  # bytes of the region storages the calls keep
-
-    @property
-    def calls(self) -> list[PlanItem]:
-        return [self.item, *self.folded]
-
-    @property
-    def saved_calls(self) -> int:
-        return sum(it.saved for it in self.calls)
-
-    def __repr__(self):
-        return (
-            f"PlanRow({self.item.op}, call={self.item.call_index}, folded={len(self.folded)}, "
-            f"cost={self.cost:.4g}, value={self.value:.4g}, bytes={self.bytes}, "
-            f"saved_calls={self.saved_calls})"
-        )
-
-
-def _fold(profile, items):
-    """The plan's rows, in region order, and the calls that keep no region
-    storage (views of parameters or inputs, in-place ops on them, ops without
-    tensor outputs).
-
-    A call that allocates a storage heads a row; a call that allocates
-    nothing joins the row that holds its first region storage. A storage
-    first made by a call the plan does not see (an ignored op, or one run
-    without grad) has no such row: the first call using it heads one.
-    """
-    storages = profile.storages
-    groups = []  # per row: [(record, item) of its head, then of each folded call]
-    group_of = {}  # storage index -> the group of the row holding it
-    outside = []
-    for r, it in zip(profile.records, items):
-        internal = [s for s in r.storages if storages[s].internal]
-        if not internal:
-            outside.append(it)
-            continue
-        group = None if r.new_storages else group_of.get(internal[0])
-        if group is None:
-            group = []
-            groups.append(group)
-        group.append((r, it))
-        for s in internal:
-            group_of.setdefault(s, group)
-    rows = []
-    for group in groups:
-        calls = [it for _, it in group]
-        kept = {s for r, _ in group for s in r.storages if storages[s].internal}
-        rows.append(
-            PlanRow(
-                item=calls[0],
-                folded=calls[1:],
-                cost=sum(it.cost for it in calls),
-                value=sum(it.cost for it in calls if it.saveable),
-                bytes=sum(storages[s].nbytes for s in kept),
-            )
-        )
-    return rows, outside
-
-
-def _packet_name(op):
-    """'aten.transpose.int' -> 'transpose'; other namespaces stay: 'mylib.f'."""
-    return op._opname if op.namespace == "aten" else f"{op.namespace}.{op._opname}"
-
-
-def _op_name(op):
-    """'aten.addmm.default' -> 'addmm', 'aten.transpose.int' -> 'transpose.int'."""
-    name = _packet_name(op)
-    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
-
-
-def _folded_names(items, width=44):
-    """'view x5, transpose x4, split': the ops of ``items`` by name, most
-    frequent first, cut to about ``width`` characters."""
-    counts = {}
-    for it in items:
-        name = _packet_name(it.op)
-        counts[name] = counts.get(name, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    text = ""
-    for i, (name, count) in enumerate(ranked):
-        part = name if count == 1 else f"{name} x{count}"
-        if text and len(text) + len(part) + 2 > width:
-            return f"{text}, +{sum(c for _, c in ranked[i:])} more"
-        text = f"{text}, {part}" if text else part
-    return text
-
-
-def _decision(item):
-    if item.saved:
-        return "SAVE"
-    if not item.saveable:
-        return f"recompute ({item.why_not})"
-    return "recompute"
-
-
-def _render(header, rows):
-    """Left-aligned columns under a dashed rule."""
-    rows = [header, *rows]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
-def _check_budget(bytes_, fraction, where):
-    if (bytes_ is None) == (fraction is None):
-        raise TypeError(f"torch_sac.{where}: pass exactly one of bytes= or fraction=")
-    if bytes_ is not None:
-        if isinstance(bytes_, bool) or not isinstance(bytes_, numbers.Integral):
-            raise TypeError(f"torch_sac.{where}: bytes must be an int, got {bytes_!r}")
-        if bytes_ < 0:
-            raise ValueError(f"torch_sac.{where}: bytes must be >= 0, got {bytes_}")
-        return None
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-        raise TypeError(f"torch_sac.{where}: fraction must be a number, got {fraction!r}")
-    if not math.isfinite(fraction) or fraction < 0:
-        raise ValueError(f"torch_sac.{where}: fraction must be finite and >= 0, got {fraction}")
-    return float(fraction)
-
-
-def _check_choice(value, choices, name, where):
-    if value not in choices:
-        raise ValueError(
-            f"torch_sac.{where}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
-        )
 
 
 class BudgetPolicy(_C.SavedCallsPolicy):
@@ -275,7 +111,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         for j in solution["chosen"]:
             items[candidates[j]].saved = True
         self.items = items
-        rows, self.outside_calls = _fold(profile, items)
+        rows, self.outside_calls = fold_rows(profile, items)
         # Stable: equal values keep region order.
         self.rows = sorted(rows, key=lambda row: (row.value, row.cost), reverse=True)
         self.chosen = [it.key for it in items if it.saved]
@@ -325,32 +161,11 @@ class BudgetPolicy(_C.SavedCallsPolicy):
         return (op, call_index) in set(self.chosen)
 
     def _fmt_cost(self, c):
-        if self.cost == "time":
-            scales = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
-        else:
-            scales = (
-                ("TFLOP", 1e12),
-                ("GFLOP", 1e9),
-                ("MFLOP", 1e6),
-                ("kFLOP", 1e3),
-                ("FLOP", 1.0),
-            )
-        for unit, scale in scales:
-            if abs(c) >= scale:
-                break
-        if unit == "FLOP":  # counted, not measured: no fraction
-            return f"{c:.0f} FLOP"
-        return f"{c / scale:.1f} {unit}"
-
-    def _share(self, c):
-        return f"{100.0 * c / self.total_cost:.1f}%" if self.total_cost else "-"
+        return format_cost(c, self.cost)
 
     def _bytes_of(self, items):
         """Bytes of the distinct region storages ``items`` keep."""
-        index = {id(it): r for it, r in zip(self.items, self._profile.records)}
-        storages = self._profile.storages
-        kept = {s for it in items for s in index[id(it)].storages if storages[s].internal}
-        return sum(storages[s].nbytes for s in kept)
+        return bytes_of(self, self._profile, items)
 
     def summary(self) -> str:
         """The plan in one line (as in ``repr``)."""
@@ -407,131 +222,7 @@ class BudgetPolicy(_C.SavedCallsPolicy):
                 f"torch_sac.BudgetPolicy.table: max_rows must be an int >= 0 or None, "
                 f"got {max_rows!r}"
             )
-        lines = self._folded_lines(max_rows) if fold else self._call_lines(max_rows)
-        return "\n".join(lines + self._summary_lines())
-
-    def _folded_lines(self, max_rows):
-        shown = self.rows[:max_rows]
-        cells = []
-        for row in shown:
-            decision = _decision(row.item)
-            saved_folded = sum(it.saved for it in row.folded)
-            if saved_folded and not row.item.saved:
-                # A view taken after its base's last in-place write can be
-                # saved though the base cannot: it keeps the base's storage.
-                decision += f"; SAVE {saved_folded} folded"
-            cells.append(
-                (
-                    _op_name(row.item.op),
-                    str(row.item.call_index),
-                    self._fmt_cost(row.cost),
-                    self._share(row.cost),
-                    format_bytes(row.bytes),
-                    decision,
-                    _folded_names(row.folded),
-                )
-            )
-        lines = [
-            f"{len(self.items)} op calls in {len(self.rows)} rows, most valuable first (value: the "
-            "recompute cost saving the row avoids);",
-            "views and in-place ops are folded into the op whose memory they use, their cost added "
-            "to its row",
-            *_render(("op", "call", "cost", "share", "bytes", "decision", "folded into it"), cells),
-        ]
-        hidden = self.rows[len(shown) :]
-        if hidden:
-            line = self._more_line(len(hidden), "rows", [it for row in hidden for it in row.calls])
-            unsaveable = [row for row in hidden if row.value == 0 and row.cost > 0]
-            if unsaveable:
-                # Sorted last, they may hold much of the cost: say so.
-                cost = sum(row.cost for row in unsaveable)
-                line += (
-                    f"; {len(unsaveable)} of them cannot be saved ({self._share(cost)} of the cost)"
-                )
-            lines.append(line)
-        if self.outside_calls:
-            cost = sum(it.cost for it in self.outside_calls)
-            saved = sum(it.saved for it in self.outside_calls)
-            lines.append(
-                f"{len(self.outside_calls)} op calls keep no region memory (on parameters, buffers or "
-                f"inputs), not shown: {_folded_names(self.outside_calls)}; {self._share(cost)} of the "
-                f"cost; {saved} saved (free)"
-            )
-        return lines
-
-    def _call_lines(self, max_rows):
-        shown = self.items[:max_rows]
-        cells = [
-            (
-                str(i),
-                _op_name(it.op),
-                str(it.call_index),
-                self._fmt_cost(it.cost),
-                self._share(it.cost),
-                format_bytes(it.bytes),
-                format_bytes(it.new_bytes),
-                _decision(it),
-            )
-            for i, it in enumerate(shown)
-        ]
-        lines = [
-            f"{len(self.items)} op calls, in region order",
-            *_render(("#", "op", "call", "cost", "share", "keeps", "allocates", "decision"), cells),
-        ]
-        hidden = self.items[len(shown) :]
-        if hidden:
-            lines.append(self._more_line(len(hidden), "calls", hidden))
-        return lines
-
-    def _more_line(self, count, what, items):
-        cost = sum(it.cost for it in items)
-        saved = sum(it.saved for it in items)
-        return (
-            f"... {count} more {what}: {self._share(cost)} of the cost, "
-            f"{format_bytes(self._bytes_of(items))}"
-            + (f", {saved} saved call{'s' if saved != 1 else ''}" if saved else "")
-        )
-
-    def _summary_lines(self):
-        budget = format_bytes(self.budget_bytes)
-        if self.fraction is not None:
-            budget += f" ({self.fraction:.0%} of activations)"
-        measure = "measured time" if self.cost == "time" else "FLOPs"
-        if self.optimal:
-            solver = (f"{self.solver}, optimal", "proven: no plan within the budget avoids more")
-        else:
-            gap = self._fmt_cost(self.upper_bound - self.avoided_cost)
-            solver = (
-                f"{self.solver}, within {gap} of optimal",
-                "at most this much more could be avoided (a proven bound)"
-                + (f" ({self.solver_note})" if self.solver_note else ""),
-            )
-        terms = [
-            ("budget", budget, "the most region memory the saved calls may keep"),
-            (
-                "saved",
-                f"{format_bytes(self.saved_bytes)}, {len(self.chosen)} of {len(self.items)} calls",
-                "region memory the saved calls keep for backward (storages counted once)",
-            ),
-            (
-                "activations",
-                format_bytes(self.activation_bytes),
-                "what autograd keeps for backward without checkpointing",
-            ),
-            ("everything", format_bytes(self.total_bytes), "what saving every call would keep"),
-            (
-                "avoided",
-                f"{self._fmt_cost(self.avoided_cost)} of {self._fmt_cost(self.total_cost)} "
-                f"({self._share(self.avoided_cost)})",
-                f"recompute cost of the saved calls, of all calls ({measure})",
-            ),
-            ("solver", *solver),
-        ]
-        name_w = max(len(t[0]) for t in terms)
-        value_w = max(len(t[1]) for t in terms)
-        return [
-            f"{name:<{name_w}}  {value:<{value_w}}  {meaning}" for name, value, meaning in terms
-        ]
+        return plan_table(self, self._profile, max_rows, fold)
 
     def __repr__(self) -> str:
         return f"<torch_sac BudgetPolicy: {self.summary()}>"
@@ -542,8 +233,8 @@ def _cost_of(record, cost):
 
 
 def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
-    fraction = _check_budget(bytes_, fraction, where)
-    _check_choice(solver, _SOLVERS, "solver", where)
+    fraction = check_budget(bytes_, fraction, where)
+    check_choice(solver, SOLVERS, "solver", where)
     if fraction is not None:
         budget_bytes = int(fraction * profile.activation_bytes)
     else:
@@ -566,61 +257,11 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
     return BudgetPolicy(profile, cost, budget_bytes, solution, fraction)
 
 
-# The planners' options: the keyword-only parameters of budget_for_region,
-# budget_for_model and plan_peak, all of which budget() takes. budget() uses
-# them to tell a misspelled option from a keyword argument of fn.
-_OPTIONS = ("bytes", "fraction", "peak_bytes", "cost", "solver", "repeats", "max_states", "modules")
-
-
-def _check_callable(fn: object, where: str) -> None:
-    if not callable(fn):
-        raise TypeError(
-            f"torch_sac.{where}: fn must be callable, got {fn!r} (type {type(fn).__name__})"
-        )
-
-
-def _check_examples(
-    example_args: object, example_kwargs: object, where: str
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``example_args`` as a tuple and ``example_kwargs`` as a dict, or a
-    ``TypeError`` naming the keyword that has the wrong type."""
-    if not isinstance(example_args, (tuple, list)):
-        raise TypeError(
-            f"torch_sac.{where}: example_args must be a tuple or list of fn's positional "
-            f"arguments, got {type(example_args).__name__} (one tensor x: example_args=(x,))"
-        )
-    if example_kwargs is None:
-        example_kwargs = {}
-    elif not isinstance(example_kwargs, dict):
-        raise TypeError(
-            f"torch_sac.{where}: example_kwargs must be a dict of fn's keyword arguments or "
-            f"None, got {type(example_kwargs).__name__}"
-        )
-    return tuple(example_args), dict(example_kwargs)
-
-
-def _check_options(
-    bytes_: int | None,
-    fraction: float | None,
-    cost: str,
-    solver: str,
-    repeats: int,
-    where: str,
-) -> None:
-    """The checks of a bytes/fraction plan's options (``max_states`` is
-    checked when the solver runs)."""
-    _check_budget(bytes_, fraction, where)
-    _check_choice(cost, _COSTS, "cost", where)
-    _check_choice(solver, _SOLVERS, "solver", where)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-        raise ValueError(f"torch_sac.{where}: repeats must be an int >= 0, got {repeats!r}")
-
-
 def _region_plan(
     fn, args, kwargs, bytes_, fraction, cost, solver, repeats, max_states, where
 ) -> BudgetPolicy:
     """Profiles ``fn(*args, **kwargs)`` as one region and plans it."""
-    _check_options(bytes_, fraction, cost, solver, repeats, where)
+    check_options(bytes_, fraction, cost, solver, repeats, where)
     profile, _ = profile_region(
         fn,
         args,
@@ -733,8 +374,8 @@ def budget_for_region(
         ops are dominated by dispatch overhead: profile with realistic sizes.
     """
     where = "policies.budget_for_region"
-    _check_callable(fn, where)
-    args, kwargs = _check_examples(example_args, example_kwargs, where)
+    check_callable(fn, where)
+    args, kwargs = check_examples(example_args, example_kwargs, where)
     return _region_plan(fn, args, kwargs, bytes, fraction, cost, solver, repeats, max_states, where)
 
 
@@ -804,14 +445,14 @@ def budget_for_model(
         shapes.
     """
     where = "policies.budget_for_model"
-    _check_callable(model, where)
+    check_callable(model, where)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"torch_sac.{where}: model must be an nn.Module, got {type(model).__name__}; plan "
             "a function as one region with torch_sac.policies.budget_for_region"
         )
-    args, kwargs = _check_examples(example_args, example_kwargs, where)
-    _check_options(bytes, fraction, cost, solver, repeats, where)
+    args, kwargs = check_examples(example_args, example_kwargs, where)
+    check_options(bytes, fraction, cost, solver, repeats, where)
     if modules is None and not find_blocks(model):
         raise ValueError(
             f"torch_sac.{where}: found no repeated blocks in the model (no Hugging Face "
@@ -882,54 +523,9 @@ def plan_peak(
         :class:`~torch_sac.PeakPlan` and docs/design/peak-plans.md.
     """
     where = "policies.plan_peak"
-    _check_callable(fn, where)
-    args, kwargs = _check_examples(example_args, example_kwargs, where)
+    check_callable(fn, where)
+    args, kwargs = check_examples(example_args, example_kwargs, where)
     return plan_for_peak(fn, args, kwargs, peak_bytes, where)
-
-
-def _signature_parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter] | None:
-    """The parameters of what ``fn(...)`` calls (``forward`` for a module),
-    or None when its signature cannot be inspected."""
-    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    try:
-        return dict(inspect.signature(target).parameters)
-    except (TypeError, ValueError):  # built-ins, some C++ callables
-        return None
-
-
-def _check_example_kwargs(
-    fn: Callable[..., Any], example_kwargs: dict[str, Any], explicit: str, where: str
-) -> None:
-    """Raises ``TypeError`` for a keyword budget() would pass on to ``fn``
-    that is a misspelled option: one ``fn`` cannot take, or one close to an
-    option's name that ``fn`` does not take by name. Nothing is rejected
-    when ``fn``'s signature cannot be inspected."""
-    if not example_kwargs:
-        return
-    params = _signature_parameters(fn)
-    if params is None:
-        return
-    by_name = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    for key in example_kwargs:
-        if key in by_name:
-            continue
-        close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.8)
-        if not close and takes_any:
-            continue
-        nearest = (close or difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.0) or ["?"])[0]
-        if close:
-            what = f"{key}= is not an option; did you mean {nearest}=?"
-        else:
-            what = (
-                f"fn does not take a keyword argument {key}=, and {key}= is not an option "
-                f"(the nearest is {nearest}=)."
-            )
-        raise TypeError(
-            f"torch_sac.{where}: {what} budget() passes the keywords it does not know on to "
-            f"fn. To pass {key}= to fn, use torch_sac.policies.{explicit}(fn, example_args=..., "
-            f"example_kwargs={{{key!r}: ...}}), whose options are keyword-only."
-        )
 
 
 def budget(
@@ -994,14 +590,14 @@ def budget(
         >>> policy = torch_sac.policies.budget_for_region(block, (x,), fraction=0.5)
     """
     where = "policies.budget"
-    _check_callable(fn, where)
+    check_callable(fn, where)
     if peak_bytes is not None:
         explicit = "plan_peak"
     elif isinstance(fn, torch.nn.Module) and (modules is not None or _has_blocks(fn)):
         explicit = "budget_for_model"
     else:
         explicit = "budget_for_region"
-    _check_example_kwargs(fn, example_kwargs, explicit, where)
+    check_example_kwargs(fn, example_kwargs, explicit, where)
     if explicit == "plan_peak":
         if bytes is not None or fraction is not None or modules is not None:
             raise ValueError(
@@ -1016,7 +612,7 @@ def budget(
             )
         return plan_for_peak(fn, example_args, example_kwargs, peak_bytes, where)
     if explicit == "budget_for_model":
-        _check_options(bytes, fraction, cost, solver, repeats, where)
+        check_options(bytes, fraction, cost, solver, repeats, where)
         return _model_budget(
             fn,
             example_args,
@@ -1042,65 +638,13 @@ def _has_blocks(model):
     return bool(find_blocks(model, containers=(torch.nn.ModuleList, torch.nn.ModuleDict)))
 
 
-def _signature(module, args, kwargs):
-    """What makes two block calls plannable by one plan: the class, the
-    parameters' shapes and dtypes, and the arguments' shapes and dtypes (or
-    values, for non-tensors)."""
-
-    def describe(v):
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), v.dtype, v.requires_grad)
-        if isinstance(v, (tuple, list)):
-            return tuple(describe(x) for x in v)
-        return ("value", repr(v))
-
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-    return (
-        type(module),
-        params,
-        describe(args),
-        tuple(sorted((k, describe(v)) for k, v in kwargs.items())),
-    )
-
-
-def _detached(v):
-    if isinstance(v, torch.Tensor):
-        return v.detach().clone().requires_grad_(v.requires_grad)
-    if isinstance(v, tuple):
-        return tuple(_detached(x) for x in v)
-    if isinstance(v, list):
-        return [_detached(x) for x in v]
-    return v
-
-
 def _model_budget(
     model, args, kwargs, modules, cost, bytes_, fraction, solver, repeats, max_states, where
 ):
-    blocks = select_blocks(model, modules)
-    calls = {}
-
-    def capture(module, block_args, block_kwargs):
-        if module not in calls:
-            calls[module] = (_detached(block_args), _detached(block_kwargs))
-
-    handles = [b.register_forward_pre_hook(capture, with_kwargs=True) for b in blocks]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [b for b in blocks if b not in calls]
-    if missing:
-        raise RuntimeError(
-            f"torch_sac.{where}: {len(missing)} of the model's {len(blocks)} blocks did not run "
-            "in the example call; pass example arguments that run every block"
-        )
     plans = {}
     by_block = {}
-    for block in blocks:
-        block_args, block_kwargs = calls[block]
-        key = _signature(block, block_args, block_kwargs)
+    for block, block_args, block_kwargs in block_calls(model, args, kwargs, modules, where):
+        key = block_signature(block, block_args, block_kwargs)
         if key not in plans:
             profile, _ = profile_region(
                 block,
@@ -1156,23 +700,7 @@ class ModelBudget:
         """The plans as text: a line for the whole model, then per distinct
         plan a header naming the blocks that share it and the plan's
         :meth:`BudgetPolicy.table` (``max_rows`` and ``fold`` as there)."""
-        groups = {}
-        for module, plan in self._by_block.items():
-            groups.setdefault(id(plan), (plan, []))[1].append(module)
-        lines = [
-            f"{len(self._by_block)} blocks, {len(groups)} distinct plan{'s' if len(groups) != 1 else ''}; "
-            f"saved {format_bytes(self.saved_bytes)} of a {format_bytes(self.budget_bytes)} budget, "
-            "summed over blocks"
-        ]
-        for k, (plan, modules) in enumerate(groups.values(), 1):
-            classes = ", ".join(sorted({type(m).__name__ for m in modules}))
-            lines += [
-                "",
-                f"== plan {k} of {len(groups)}: {_name_ranges([self._names[m] for m in modules])} "
-                f"({len(modules)} block{'s' if len(modules) != 1 else ''}, {classes})",
-                plan.table(max_rows, fold),
-            ]
-        return "\n".join(lines)
+        return model_table(self, self._by_block, self._names, max_rows, fold)
 
     def __repr__(self) -> str:
         distinct = len({id(p) for p in self._by_block.values()})
@@ -1180,28 +708,3 @@ class ModelBudget:
             f"ModelBudget({len(self._by_block)} blocks, {distinct} distinct plan(s), "
             f"saved {self.saved_bytes} of budget {self.budget_bytes} bytes)"
         )
-
-
-def _name_ranges(names):
-    """'layers.0', 'layers.1', 'layers.2', 'lm_head' -> 'layers.0-2, lm_head':
-    runs of consecutive numbered siblings, in the given order."""
-    runs = []  # [prefix, first, last] for numbered names, [name] otherwise
-    for name in names:
-        prefix, _, last = name.rpartition(".")
-        if last.isdigit():
-            number = int(last)
-            if runs and len(runs[-1]) == 3 and runs[-1][0] == prefix and runs[-1][2] == number - 1:
-                runs[-1][2] = number
-                continue
-            runs.append([prefix, number, number])
-        else:
-            runs.append([name])
-    parts = []
-    for run in runs:
-        if len(run) == 1:
-            parts.append(run[0])
-        else:
-            prefix, first, last = run
-            dot = f"{prefix}." if prefix else ""
-            parts.append(f"{dot}{first}" if first == last else f"{dot}{first}-{last}")
-    return ", ".join(parts)

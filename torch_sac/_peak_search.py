@@ -1,0 +1,525 @@
+"""Plans for a peak: what forward keeps and what backward rebuilds, so that one
+region's measured forward+backward peak stays under a budget with as little
+recompute as possible (multiple recomputation).
+
+The plans: a region whose backward runs under ``ReplayBudget(B,
+counts_saved=True)`` and whose forward keeps what the *first* rebuild of a
+recompute-everything region would keep under the same budget. Reversing a
+chain with ``s`` slots, the optimal schedule (Revolve's recursion) starts
+with a sweep from the input to the end that leaves checkpoints on the way;
+here forward is that sweep, so it costs no recompute, and each later rebuild
+continues the recursion with the room the checkpoints behind it leave. For a
+chain of equal steps the recompute is then the optimum for ``B`` exactly
+(tests/python/test_peak_plan.py checks it against an independent DP and an
+exact MILP); for other graphs the region's per-rebuild choice is a heuristic
+(replay_budget.h) whose gap the tests measure.
+
+``B`` is found by measurement, not by a memory model: each candidate runs
+once with the counting allocator, and the largest ``B`` whose measured peak
+fits is kept. What the budget cannot control (parameters' gradients, the
+working set of one replay, the outputs) is in every measured peak, so it is
+accounted for without being modelled.
+
+The peak is not monotone in ``B``, and recomputing everything under
+``B = 0`` is not the least peak: its first rebuild replays the whole forward
+from the inputs, so that replay's working set (the intermediates a long
+replay holds at once) comes on top of what backward holds. Keeping the
+checkpoints of a small budget's first sweep shortens every replay, and
+backward under a zero budget then holds nothing more (the kept checkpoints
+are counted, so no rebuilt tensor is kept): on a small Hugging Face Mamba
+1,661,456 bytes, against 1,887,000 recomputing everything
+(tests/python/test_peak_plan_bounds.py). So no floor is assumed: a refusal
+states the least peak measured, and planning for that peak returns the
+plan that measured it (until a plan fits, the search does not depend on
+the peak asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import numbers
+import time
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import _C, memory
+from ._op_profile import cuda_devices, format_bytes
+from ._peak_plan import PeakPlan
+from ._step_state import StepState
+from .region import ReplayBudget, in_region, sac_context
+from .schedule import ReplaySchedule
+
+__all__ = ["plan_for_peak"]
+
+# Calls of fn a plan takes at most, all included (the run without
+# checkpointing, the budget search, the other checkpoint share, further
+# sweeps): each runs forward and backward. A budget costs two (the
+# recompute-everything run that shows the first sweep, and the plan's run),
+# so this is the run without checkpointing and four budgets, plus one run
+# for a further sweep. (Measured on the tests' tanh chains, TinyGPT steps
+# and a small Mamba at 0.2-0.9 of their peak: the old unbounded search took
+# 5-27 runs; these plans' estimated replay cost is 1.05x the old ones' on
+# average, 1.7x at worst, and they reach every peak the old ones did.)
+MAX_PLANNING_RUNS = 10
+# The first budget tried, as a share of the peak without checkpointing;
+# budgets halve from there until one fits.
+_FIRST_BUDGET = 1 / 4
+# The search stops once the largest budget that fits and the least that
+# does not are this close (a share of peak_bytes).
+_RESOLUTION = 1 / 32
+# The checkpoint share of the spaced heuristic tried at the budget found,
+# after the default 1/2 (replay_budget.h): fewer checkpoints, more of what
+# backward needs next (on TinyGPT steps it recomputes up to 1.7x less from
+# about 0.4 of the peak up; 1/2 is better below; 1/32, tried too before,
+# was at most 4% better).
+_OTHER_SHARE = 1 / 8
+# Room kept for the other share while the search refines: two runs.
+_SHARE_RUNS = 2
+# What the search measures until a plan fits (search): budgets, halving,
+# then the least plans keeping the two sweeps that peaked least
+# (least_plan). Nine runs at most with the two before (the run without
+# checkpointing, the one saving everything), so the same list is measured
+# whatever the peak asked.
+_BEFORE_A_FIT = ("budget", "budget", "budget", "least", "least")
+
+
+class _Run:
+    """One measured forward+backward of fn."""
+
+    def __init__(
+        self, peak, seconds, forward_seconds, output_device, stats=None, schedule=None, details=()
+    ):
+        self.peak = peak
+        self.seconds = seconds
+        self.forward_seconds = forward_seconds
+        self.output_device = output_device
+        self.stats = stats or {}
+        self.schedule = schedule
+        self.details = details
+
+    @property
+    def replayed(self):
+        return self.stats.get("replayed_ops", 0)
+
+
+def _graph_leaves(outputs):
+    """The tensors gradients accumulate into, found from the outputs' graph:
+    backward computes theirs with ``autograd.grad``, so planning leaves no
+    ``.grad`` behind."""
+    leaves, seen, stack = {}, set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def _device_of(values):
+    """The device of the first tensor in ``values`` (a pytree), or None."""
+    for t in tree_leaves(values):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return None
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
+    """One forward+backward of fn, its peak measured on ``device``; the RNG
+    state of the CPU and of the CUDA devices in use is restored after it."""
+    rng_devices = set(cuda_devices((args, kwargs)))
+    if device.type == "cuda":
+        rng_devices.add(device.index or 0)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng_devices.update(range(torch.cuda.device_count()))
+    rng_devices = sorted(rng_devices)
+    region = None
+    # No garbage collection during the run: a collection in the middle frees
+    # tensors counted in the starting level and lowers the measured peak, so
+    # two runs of the same plan would measure different peaks and a least peak
+    # stated by one could miss in the next. (No full collection before it
+    # either: with a large heap that costs more than a small step.)
+    with (
+        _gc_paused(),
+        torch.random.fork_rng(devices=rng_devices),
+        torch.enable_grad(),
+        memory.track(device) as m,
+    ):
+        start = time.perf_counter()
+        if policy is None:
+            out = fn(*args, **kwargs)
+        else:
+            with sac_context(policy, replay_budget=replay_budget) as region:
+                out = fn(*args, **kwargs)
+        forward_seconds = time.perf_counter() - start
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        output_device = _device_of(outputs)
+        if not outputs:
+            raise ValueError(
+                f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
+                "to plan; call it with inputs or parameters that require grad"
+            )
+        del out
+        if all(o.grad_fn is None for o in outputs):
+            raise ValueError(
+                f"torch_sac.{where}: fn returns only leaf tensors (no op ran on them), so there "
+                "is no backward to plan"
+            )
+        leaves = _graph_leaves(outputs)
+        torch.autograd.grad(
+            outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True
+        )
+        del outputs
+        seconds = time.perf_counter() - start
+    if region is None:
+        return _Run(m.peak, seconds, forward_seconds, output_device)
+    return _Run(
+        m.peak,
+        seconds,
+        forward_seconds,
+        output_device,
+        region.stats(),
+        region.replay_schedule(),
+        region.op_details(),
+    )
+
+
+def _first_sweep(schedule):
+    """The calls whose outputs the first rebuild kept, and the one it was for."""
+    if not schedule.rebuilds:
+        return []
+    first = schedule.rebuilds[0]
+    return sorted({(k.op, k.call_index) for k in (first.unpacked, *first.keep)})
+
+
+class _Candidate:
+    """A measured plan: its run, the calls forward keeps, its budget, and
+    the recompute-everything run whose first sweep it keeps (under the same
+    budget: ``optimal`` may hold, see :func:`_solver`)."""
+
+    def __init__(self, run, saved, budget, sweep, optimal=True):
+        self.run, self.saved, self.budget, self.sweep = run, saved, budget, sweep
+        self.optimal = optimal
+
+
+class _Planner:
+    """The search behind :func:`plan_for_peak`. Every run it makes is kept
+    (for the plan's run count and time), every plan it measured is a
+    candidate, and it calls fn at most :data:`MAX_PLANNING_RUNS` times."""
+
+    def __init__(self, fn, args, kwargs, peak_bytes, where, state):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.peak_bytes, self.where, self.state = peak_bytes, where, state
+        self.resolution = max(int(peak_bytes * _RESOLUTION), 1)
+        self.measured = []
+        self.candidates = []
+        # The arguments' device, else that of the modules and tensors fn
+        # refers to; a step whose outputs show another device is measured
+        # again there (plain_run).
+        self.device = _device_of((args, kwargs)) or _device_of(state.keep) or torch.device("cpu")
+
+    def runs_left(self):
+        return MAX_PLANNING_RUNS - len(self.measured)
+
+    def run(self, policy=None, budget=None):
+        with self.state.run():
+            r = _measure(self.fn, self.args, self.kwargs, self.where, self.device, policy, budget)
+        self.measured.append(r)
+        return r
+
+    def plain_run(self):
+        """fn without checkpointing, measured on the device it runs on."""
+        plain = self.run()
+        if plain.output_device is not None and plain.output_device != self.device:
+            self.device = plain.output_device
+            plain = self.run()
+        self.plain = plain
+        return plain
+
+    def fits(self, run):
+        return run.peak <= self.peak_bytes
+
+    def best(self):
+        """The fitting candidate with the least estimated replay cost (the
+        first measured among equals), or None."""
+        fitting = [c for c in self.candidates if self.fits(c.run)]
+        return min(fitting, key=lambda c: _cost(c.run)) if fitting else None
+
+    def least(self):
+        """The candidate with the least measured peak."""
+        return min(self.candidates, key=lambda c: c.run.peak)
+
+    def at_budget(self, budget):
+        """Measures the plan for ``budget`` (two runs): the first sweep of a
+        recompute-everything run under it, then forward keeping that sweep.
+        Both are candidates. Returns the least of their peaks."""
+        sweep = self.run(_C.recompute_all(), budget)
+        saved = _first_sweep(sweep.schedule)
+        planned = self.run(ReplaySchedule([], saved).policy(), budget)
+        self.candidates += [
+            _Candidate(sweep, [], budget, sweep),
+            _Candidate(planned, saved, budget, sweep),
+        ]
+        return min(sweep.peak, planned.peak)
+
+    def search(self):
+        """Measures budgets until the largest that fits is found, then the
+        other checkpoint share; what fits is among the candidates.
+
+        Until a plan fits: budgets of a quarter of the peak without
+        checkpointing, an eighth, a sixteenth; then the least plans keeping
+        the checkpoints of the two sweeps that peaked least (least_plan).
+        These depend on measured peaks only, not on peak_bytes, so planning
+        for the least peak a refusal states measures the same plans up to
+        the one that peaked there, and returns it.
+
+        Once one fits, the budget is refined between the largest that fits
+        and the least that peaks over: bisecting first, then by the secant
+        of their peaks (the peak grows about as the budget does, in steps
+        of a kept tensor; with none over yet, by the gap to peak_bytes),
+        until the two are within 1/32 of peak_bytes or the runs are spent.
+        Two runs are kept for the other checkpoint share when the best plan
+        used the spaced heuristic."""
+        fit = over = None  # (budget bytes, least peak measured at it)
+        budget = int(self.plain.peak * _FIRST_BUDGET)
+        for step in _BEFORE_A_FIT:
+            if self.best() is not None or self.runs_left() < (2 if step == "budget" else 1):
+                break
+            if step == "least":
+                self.least_plan()
+                continue
+            if over is not None and over[0] == 0:
+                continue  # a tiny step measured a budget of 0: halving changes nothing
+            peak = self.at_budget(ReplayBudget(budget, counts_saved=True))
+            if peak <= self.peak_bytes:
+                fit = (budget, peak)
+            else:
+                over = (budget, peak)
+            budget //= 2
+        tried_share = refined = False
+        while fit is not None and self.runs_left() >= 2:
+            done = (
+                over[0] - fit[0] <= self.resolution
+                if over is not None
+                else self.peak_bytes - fit[1] <= self.resolution
+            )
+            best = self.best()
+            # The spaced heuristic's split between checkpoints and what
+            # backward needs next suits some programs and not others (a
+            # transformer at a loose budget wants fewer checkpoints, a tight
+            # one more): the other share at the best budget, once refining
+            # is done, or before the runs run out when the budget is loose
+            # (at least the first one tried; below, the last runs refine: on
+            # TinyGPT at 0.25 of its peak, 1.3x the old search's replay cost
+            # instead of 2.0x).
+            loose = best.budget.bytes >= self.plain.peak * _FIRST_BUDGET
+            if (
+                not tried_share
+                and best.budget.bytes > 0
+                and best.run.stats.get("spaced_choices", 0)
+                and (done or (loose and self.runs_left() < 2 + _SHARE_RUNS))
+            ):
+                tried_share = True
+                self.at_budget(
+                    ReplayBudget(
+                        best.budget.bytes, counts_saved=True, checkpoint_share=_OTHER_SHARE
+                    )
+                )
+                continue
+            if done:
+                break
+            budget = self.next_budget(fit, over, refined)
+            refined = True
+            peak = self.at_budget(ReplayBudget(budget, counts_saved=True))
+            if peak <= self.peak_bytes:
+                fit = max(fit, (budget, peak))
+            elif over is None or budget < over[0]:
+                over = (budget, peak)
+
+    def least_plan(self):
+        """Forward keeps the first sweep of the budget that peaked least
+        (of those whose least plan is not measured yet), and backward holds
+        nothing more: a zero budget that counts the kept checkpoints, so
+        each rebuild keeps only the tensor it hands over. The checkpoints
+        shorten every replay (a smaller working set than recomputing
+        everything from the inputs) and nothing rebuilt is held: often the
+        least peak of all, for one run."""
+        zero = ReplayBudget(0, counts_saved=True)
+        measured = [c.saved for c in self.candidates if c.budget == zero]
+        swept = sorted(
+            (c for c in self.candidates if c.budget is not None and c.budget.bytes),
+            key=lambda c: c.run.peak,
+        )
+        for c in swept:
+            saved = _first_sweep(c.sweep.schedule)
+            if saved not in measured:
+                planned = self.run(ReplaySchedule([], saved).policy(), zero)
+                self.candidates.append(_Candidate(planned, saved, zero, c.sweep, optimal=False))
+                return
+
+    def next_budget(self, fit, over, refined):
+        """The next budget between the largest that fits and the least over
+        (``refined``: after a budget chosen here)."""
+        if over is None:
+            return fit[0] + max(self.peak_bytes - fit[1], self.resolution)
+        guess = (fit[0] + over[0]) / 2
+        # The bracket the halving budgets leave is an octave wide, and the
+        # peak is a staircase in it (a kept tensor more or less): bisect it
+        # first, then follow the secant, aimed a resolution below
+        # peak_bytes so that a stair above the line still fits (measured on
+        # the tests' steps: 1.1x less recompute on average than the secant
+        # alone, up to 3.9x on a tanh chain; TinyGPT-32 at
+        # checkpoint_sequential's peak went from 0.82x of it to 0.97x).
+        if refined and over[1] > fit[1]:
+            slope = (over[1] - fit[1]) / (over[0] - fit[0])
+            guess = fit[0] + (self.peak_bytes - self.resolution - fit[1]) / slope
+        margin = (over[0] - fit[0]) / 10  # in the bracket, not on its ends
+        return int(min(max(guess, fit[0] + margin), over[0] - margin))
+
+    def extend_sweeps(self, best):
+        """The first sweep covers the first chain backward rebuilds; with
+        several (independent branches) the plan's own first rebuild is the
+        next one's sweep: keep it in forward too while that fits and helps
+        (one run each, while runs are left)."""
+        while self.runs_left() >= 1:
+            union = sorted(set(best.saved) | set(_first_sweep(best.run.schedule)))
+            if len(union) == len(best.saved):
+                break
+            planned = self.run(ReplaySchedule([], union).policy(), best.budget)
+            candidate = _Candidate(planned, union, best.budget, best.sweep)
+            self.candidates.append(candidate)
+            if not (self.fits(planned) and _cost(planned) < _cost(best.run)):
+                break
+            best = candidate
+        return best
+
+    def refuse(self):
+        """No plan fits: say so with the least peak measured, which planning
+        for that peak reaches again (search)."""
+        least = self.least()
+        if least.budget is None:
+            how = "saving everything"
+        else:
+            how = (
+                f"forward keeping {len(least.saved)} op calls"
+                if least.saved
+                else "recomputing everything"
+            )
+            how += (
+                f", backward holding at most {format_bytes(least.budget.bytes)}"
+                if least.budget.bytes
+                else ", backward holding nothing more"
+            )
+        raise ValueError(
+            f"torch_sac.{self.where}: peak_bytes={self.peak_bytes} "
+            f"({format_bytes(self.peak_bytes)}) is below the least peak measured here: "
+            f"{least.run.peak} bytes ({format_bytes(least.run.peak)}), {how} (the least of "
+            f"{len(self.candidates)} plans measured in {len(self.measured)} runs of fn; "
+            f"without checkpointing: {format_bytes(self.plain.peak)}). Plan for "
+            f"peak_bytes >= {least.run.peak}, or shrink what no plan controls (batch size, "
+            "parameters' gradients, the outputs)."
+        )
+
+
+def plan_for_peak(fn, args, kwargs, peak_bytes, where):
+    """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
+    if (
+        isinstance(peak_bytes, bool)
+        or not isinstance(peak_bytes, numbers.Integral)
+        or peak_bytes <= 0
+    ):
+        raise ValueError(f"torch_sac.{where}: peak_bytes must be an int > 0, got {peak_bytes!r}")
+    if in_region():
+        raise RuntimeError(
+            f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
+            "sac_context is open on this thread: plan outside it"
+        )
+    state = StepState()
+    try:
+        state.find(fn, args, kwargs)
+        return _find_plan(_Planner(fn, args, kwargs, int(peak_bytes), where, state))
+    finally:
+        state.restore()
+
+
+def _find_plan(planner):
+    plain = planner.plain_run()
+    if planner.fits(plain):
+        # As the plan runs: in a region saving everything (regions inside
+        # fn merge into it, and their replays count).
+        kept = planner.run(_C.save_all())
+        candidate = _Candidate(kept, None, None, None)
+        planner.candidates.append(candidate)
+        if planner.fits(kept):
+            return _plan(planner, plain, candidate, "none needed")
+    planner.search()
+    best = planner.best()
+    if best is None:
+        planner.refuse()
+    if best.budget.bytes > 0 and not _first_sweep_covers(best.sweep):
+        best = planner.extend_sweeps(best)
+    return _plan(planner, plain, best, _solver(best))
+
+
+def _solver(best):
+    """Which choice made the plan: the optimal reversal is proven optimal
+    only when the first sweep covered every call backward replays (one
+    chain), under the budget the sweep ran with; separate chains each
+    reversed optimally are not (the budget is not split between them
+    optimally), nor is a sweep kept under a smaller budget (least_plan)."""
+    if best.run.stats.get("spaced_choices", 0):
+        return "spaced heuristic"
+    if best.optimal and _first_sweep_covers(best.sweep):
+        return "optimal reversal"
+    return "reversal per rebuild"
+
+
+def _first_sweep_covers(sweep):
+    """Whether the first rebuild of ``sweep`` replayed every call backward
+    replayed at all: the tape is one chain, and the forward keeping that
+    sweep is the whole first sweep of its reversal."""
+    replayed_calls = sum(1 for row in sweep.details for r in row.get("replays_by_call", ()) if r)
+    return sweep.stats.get("first_rebuild_replayed_ops", 0) >= replayed_calls
+
+
+def _cost(run):
+    """Less estimated replay cost (FLOPs, bytes, per-op overhead: the
+    region's, deterministic), then fewer replays, is better."""
+    return run.stats.get("replayed_cost", 0), run.replayed
+
+
+def _plan(planner, plain, best, solver):
+    run = best.run
+    replays = {row["op"]: list(row.get("replays_by_call", ())) for row in run.details}
+    return PeakPlan(
+        peak_bytes=planner.peak_bytes,
+        measured_peak=run.peak,
+        no_checkpoint_peak=plain.peak,
+        replay_budget=best.budget,
+        saved=best.saved,
+        schedule=run.schedule if run.schedule is not None else ReplaySchedule([]),
+        recomputed_ops=run.replayed,
+        recompute_seconds=run.stats.get("replay_ns", 0) / 1e9,
+        forward_seconds=plain.forward_seconds,
+        replays_by_op={op: r for op, r in replays.items() if any(r)},
+        solver=solver,
+        solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
+        measure_seconds=sum(r.seconds for r in planner.measured),
+        runs=len(planner.measured),
+    )
