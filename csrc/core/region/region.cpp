@@ -7,14 +7,11 @@
 #include <chrono>
 
 #include "csrc/core/detached_alias.h"
-#include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
-#include "csrc/core/op_name.h"
 #include "csrc/core/region/replay_cost.h"
 #include "csrc/core/replay_guard.h"
 #include "csrc/core/tensor_kind.h"
 #include "csrc/core/tensor_version.h"
-#include "csrc/core/written_args.h"
 
 namespace torch_sac::region {
 namespace {
@@ -29,19 +26,6 @@ c10::IValue with_current_index(const c10::IValue& v) {
   }
   return c10::Device(
       device.type(), c10::impl::getDeviceGuardImpl(device.type())->getDevice().index());
-}
-
-// Communication ops: replaying one on a single rank would hang or desync
-// the others.
-bool is_collective(const c10::OperatorHandle& op) {
-  const std::string& name = op.operator_name().name;
-  for (const char* ns :
-       {"c10d::", "_c10d_functional::", "_c10d_functional_autograd::", "_dtensor::"}) {
-    if (name.rfind(ns, 0) == 0) {
-      return true;
-    }
-  }
-  return false;
 }
 
 // The first tensor in `values` the region cannot record, or nullptr.
@@ -143,16 +127,7 @@ Region::OpInfo& Region::info_for(const c10::OperatorHandle& op, int32_t* index) 
   auto [it, inserted] = op_index_.try_emplace(op, static_cast<int32_t>(ops_.size()));
   if (inserted) {
     OpInfo info;
-    info.name = op_display_name(op);
-    info.ignored = is_ignored_op(op.operator_name());
-    info.written_args = written_args(op);
-    info.draws_random = RngSnapshot::draws_random(op);
-    info.never_replay = is_collective(op);
-    for (const c10::Argument& ret : op.schema().returns()) {
-      const bool tensor = ret.type()->kind() == c10::TypeKind::TensorType ||
-          ret.type()->isSubtypeOf(*c10::ListType::ofTensors());
-      info.makes_new_tensors = info.makes_new_tensors || (tensor && !ret.alias_info());
-    }
+    info.facts = op_facts(op);
     ops_.push_back(std::move(info));
   }
   *index = it->second;
@@ -323,7 +298,8 @@ void Region::handle(
   std::unique_lock<std::mutex> lock(mutex_);
   int32_t op_index = 0;
   OpInfo& info = info_for(op, &op_index);
-  if (!open_ || info.ignored) {
+  const OpFacts& facts = *info.facts;
+  if (!open_ || facts.ignored) {
     lock.unlock();
     run(stack);
     return;
@@ -340,10 +316,10 @@ void Region::handle(
   // others), and an op writing a list of tensors (`_foreach_*_`, FSDP's
   // split copies) is not tracked write by write: both run as if outside.
   bool writes_list = false;
-  for (size_t i : info.written_args) {
+  for (size_t i : facts.written_args) {
     writes_list = writes_list || inputs[i].isTensorList() || inputs[i].isList();
   }
-  const bool recordable = !info.never_replay && !writes_list &&
+  const bool recordable = !facts.collective && !writes_list &&
       first_unrecordable(inputs) == nullptr;
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
@@ -363,8 +339,8 @@ void Region::handle(
   std::vector<c10::IValue> overwritten(num_args);
   std::vector<int32_t> written_storages;
   std::vector<size_t> written_unreplayable; // argument positions
-  bool may_replay = recordable && info.makes_new_tensors;
-  for (size_t i : info.written_args) {
+  bool may_replay = recordable && facts.makes_new_tensors;
+  for (size_t i : facts.written_args) {
     if (inputs[i].isTensorList() || inputs[i].isList()) {
       for_each_tensor(inputs[i], [&](const at::Tensor& t) {
         const int32_t s = find_storage(t);
@@ -403,10 +379,12 @@ void Region::handle(
       preserve_held_before_write(inputs[i].toTensor());
     }
   }
-  std::optional<RngSnapshot> rng = may_replay && info.draws_random
+  // A call that draws nothing (attention with dropout_p == 0) needs no
+  // snapshot: the same rule as the drop-in's (op_facts.h).
+  std::optional<RngSnapshot> rng = may_replay && call_draws_random(facts, inputs)
       ? RngSnapshot::capture(op, inputs)
       : std::nullopt;
-  const std::string& op_name = info.name;
+  const std::string& op_name = facts.name;
 
   const auto run_start = Clock::now();
   lock.unlock();
@@ -624,7 +602,7 @@ std::vector<std::pair<std::string, int64_t>> Region::saved_calls() const {
   std::vector<std::pair<std::string, int64_t>> calls;
   for (const OpInfo& info : ops_) {
     for (int64_t call : info.saved_calls) {
-      calls.emplace_back(info.name, call);
+      calls.emplace_back(info.facts->name, call);
     }
   }
   return calls;
@@ -634,12 +612,12 @@ std::vector<RegionOpSummary> Region::op_summary() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<RegionOpSummary> rows;
   for (const OpInfo& info : ops_) {
-    if (!info.ignored) {
+    if (!info.facts->ignored) {
       auto by_call = info.replays_by_call;
       by_call.resize(static_cast<size_t>(info.calls), 0);
       rows.push_back(
-          {info.name, info.saved, info.dropped, info.replayed, info.saved_bytes, info.dropped_bytes,
-           info.replay_ns, std::move(by_call)});
+          {info.facts->name, info.saved, info.dropped, info.replayed, info.saved_bytes,
+           info.dropped_bytes, info.replay_ns, std::move(by_call)});
     }
   }
   return rows;

@@ -44,6 +44,7 @@
 
 #include "csrc/core/interceptor.h"
 #include "csrc/core/numerics_state.h"
+#include "csrc/core/op_facts.h"
 #include "csrc/core/op_policy.h"
 #include "csrc/core/region/memo.h"
 #include "csrc/core/region/replay_budget.h"
@@ -204,6 +205,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void set_storage_restorer(StorageRestorer restorer);
 
  private:
+  // tests/cpp/test_op_facts.cpp reads what the region recorded.
+  friend struct RegionTestAccess;
+
   // A tensor argument of a replayable entry.
   struct ArgSlot {
     uint32_t arg = 0;
@@ -259,13 +263,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     std::vector<int32_t> reader_scopes;
   };
 
+  // One op overload in this region: what its schema says, shared with the
+  // drop-in and every region (op_facts.h), and this region's counts.
   struct OpInfo {
-    std::string name;
-    bool ignored = false;
-    std::vector<size_t> written_args; // schema arguments marked (a!)
-    bool makes_new_tensors = false;   // some return is not an alias
-    bool draws_random = false;        // RngSnapshot::draws_random
-    bool never_replay = false;        // collectives
+    std::shared_ptr<const OpFacts> facts;
     int64_t calls = 0;
     int64_t saved = 0;
     int64_t dropped = 0;

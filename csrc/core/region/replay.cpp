@@ -399,7 +399,7 @@ Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<int
     by_key_.emplace(std::make_tuple(k.op_index, k.call_index, k.output), s);
   }
   for (size_t i = 0; i < region.ops_.size(); ++i) {
-    op_index_.emplace(region.ops_[i].name, static_cast<int32_t>(i));
+    op_index_.emplace(region.ops_[i].facts->name, static_cast<int32_t>(i));
   }
 }
 
@@ -414,7 +414,7 @@ int32_t Region::StoragesByKey::find(const TensorKey& key) const {
 
 TensorKey Region::key_of(int32_t storage) const {
   const ExecutedKey key = executed_key_of(storage);
-  return {ops_[key.op_index].name, key.call_index, key.output};
+  return {ops_[key.op_index].facts->name, key.call_index, key.output};
 }
 
 std::string Region::describe_key(const TensorKey& key) const {
@@ -583,7 +583,7 @@ void Region::set_replay_schedule(ReplaySchedule schedule) {
 ReplaySchedule Region::executed_schedule() const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto named = [&](const ExecutedKey& key) {
-    return TensorKey{ops_[key.op_index].name, key.call_index, key.output};
+    return TensorKey{ops_[key.op_index].facts->name, key.call_index, key.output};
   };
   ReplaySchedule schedule;
   schedule.reserve(executed_.size());
@@ -645,7 +645,7 @@ void Region::set_storage_restorer(StorageRestorer restorer) {
 }
 
 void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
-  const std::string& op = ops_[consumer.op_index].name;
+  const std::string& op = ops_[consumer.op_index].facts->name;
   const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
   const TensorGeometry geometry = TensorGeometry::of(slot.held);
   if (!geometry.fits(slot.held.storage()) && restorer_.restore && restorer_.restore(slot.held)) {
