@@ -611,8 +611,8 @@ void CachedHandler::handle(
       ++entry.recomputed;
       ++record.recomputed;
       record.recompute_ns += elapsed;
-      ++stats.recomputed_ops;
-      stats.recompute_ns += elapsed;
+      ++stats.replayed_ops;
+      stats.replay_ns += elapsed;
       return;
     }
     case SelectiveCache::EntryState::Consumed:

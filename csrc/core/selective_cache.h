@@ -45,22 +45,9 @@
 #include "csrc/core/numerics_state.h"
 #include "csrc/core/op_facts.h"
 #include "csrc/core/op_policy.h"
+#include "csrc/core/stats.h"
 
 namespace torch_sac {
-
-struct SelectiveCacheStats {
-  int64_t policy_calls = 0;
-  int64_t saved_ops = 0;
-  int64_t saved_bytes = 0;
-  int64_t recomputed_ops = 0;
-  int64_t cache_hits = 0;
-  // Cached in forward, then written in place later in forward: recomputed.
-  int64_t invalidated_ops = 0;
-  // Writes recompute made to a copy because forward already made them.
-  int64_t redirected_writes = 0;
-  // Time spent running the ops recompute re-ran (not its cache hits).
-  int64_t recompute_ns = 0;
-};
 
 // What happened to one op overload's calls in a region.
 struct OpSummary {

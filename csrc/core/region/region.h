@@ -51,6 +51,7 @@
 #include "csrc/core/region/replay_schedule.h"
 #include "csrc/core/region/rng_snapshot.h"
 #include "csrc/core/region/tensor_geometry.h"
+#include "csrc/core/stats.h"
 
 namespace torch_sac::region {
 
@@ -87,55 +88,6 @@ struct SavedActivation {
   // The autograd graph task of its last unpack: reading it again in the
   // same backward (ctx.saved_tensors twice) is not a new backward pass.
   mutable int unpacked_task = -1;
-};
-
-struct RegionStats {
-  int64_t policy_calls = 0;
-  int64_t saved_ops = 0; // ops whose new outputs the policy kept
-  int64_t saved_bytes = 0;
-  int64_t dropped_ops = 0; // ops whose new outputs the policy dropped
-  int64_t dropped_bytes = 0;
-  int64_t held_bytes = 0;        // copies of overwritten outside tensors
-  int64_t packed_kept = 0;       // saved tensors autograd holds as usual
-  int64_t packed_dropped = 0;    // saved tensors replaced by a reference
-  int64_t unpacked_original = 0; // references served by the still-live original
-  int64_t replayed_ops = 0;
-  int64_t replay_ns = 0;
-  // Under a replay budget: the replays' estimated cost (replay_cost.h),
-  // deterministic where replay_ns is measured.
-  int64_t replayed_cost = 0;
-  // Time the region spent recording in forward, outside the ops themselves
-  // (the interception overhead; the adapter's own dispatch is not included).
-  int64_t record_ns = 0;
-  // Rebuilt tensors the region holds right now for unpacks still to come,
-  // and the most it held at the end of a replay.
-  int64_t memo_bytes = 0;
-  int64_t peak_memo_bytes = 0;
-  // Rebuilt tensors autograd still needed that the replay budget did not let
-  // the region keep: each is rebuilt again when unpacked.
-  int64_t memos_skipped = 0;
-  // With a budget that counts saved outputs: the most the region held at the
-  // end of a replay, rebuilt tensors plus live outputs the policy kept.
-  int64_t peak_held_bytes = 0;
-  // Time the replay budget spent choosing what to keep, and how many of its
-  // choices used the spaced heuristic rather than the optimal reversal of a
-  // chain (replay_budget.h).
-  int64_t budget_choice_ns = 0;
-  int64_t spaced_choices = 0;
-  // Ops the first rebuild of the last backward pass replayed (a peak plan
-  // checks that its first sweep covered the whole tape).
-  int64_t first_rebuild_replayed_ops = 0;
-};
-
-struct RegionOpSummary {
-  std::string op;
-  int64_t saved = 0;    // calls whose new outputs were kept
-  int64_t dropped = 0;  // calls whose new outputs were dropped
-  int64_t replayed = 0; // replays in backward
-  int64_t saved_bytes = 0;
-  int64_t dropped_bytes = 0;
-  int64_t replay_ns = 0;
-  std::vector<int64_t> replays_by_call; // replays of each forward call, by call index
 };
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
