@@ -74,7 +74,7 @@ void Region::push_policy(std::shared_ptr<OpPolicy> policy) {
   std::lock_guard<std::mutex> lock(mutex_);
   policies_.push_back(std::move(policy));
   scope_parents_.push_back(scope_);
-  scope_ = static_cast<int32_t>(scope_parents_.size()) - 1;
+  scope_ = ScopeId::at(scope_parents_.size() - 1);
 }
 
 void Region::pop_policy() {
@@ -114,7 +114,7 @@ void Region::release_unneeded_entries() {
   }
   const size_t needed = static_cast<size_t>(live_horizons_.rbegin()->first);
   for (size_t e = std::min(released_from_, entries_.size()); e > needed; --e) {
-    Entry& entry = entries_[e - 1];
+    Entry& entry = entries_[EntryId::at(e - 1)];
     entry.replayable = false;
     entry.args = {};
     entry.slots = {};
@@ -142,17 +142,17 @@ Policy Region::decide(const OpCall& call, const std::string& op_name) {
   return decision;
 }
 
-int32_t Region::find_storage(const at::Tensor& t) const {
+StorageId Region::find_storage(const at::Tensor& t) const {
   if (!t.defined() || !t.has_storage()) {
-    return -1;
+    return StorageId::invalid();
   }
   auto it = storage_index_.find(t.storage().unsafeGetStorageImpl());
-  return it == storage_index_.end() ? -1 : it->second;
+  return it == storage_index_.end() ? StorageId::invalid() : it->second;
 }
 
-int32_t Region::track_storage(
+StorageId Region::track_storage(
     const at::Tensor& t,
-    int32_t producer,
+    EntryId producer,
     int32_t output,
     bool replayable) {
   const auto& storage = t.storage();
@@ -164,7 +164,7 @@ int32_t Region::track_storage(
   record.replayable = replayable;
   record.last_version = version_of(t);
   record.nbytes = static_cast<int64_t>(storage.nbytes());
-  const auto index = static_cast<int32_t>(storages_.size());
+  const StorageId index = storages_.next_id();
   storages_.push_back(std::move(record));
   storage_index_[storage.unsafeGetStorageImpl()] = index;
   return index;
@@ -174,7 +174,7 @@ int32_t Region::track_storage(
 // changing the recorded state: replaying would miss it, so the storage is no
 // longer dropped. (A write through `.data` bumps another version counter and
 // cannot be seen here, as autograd cannot see it either.)
-void Region::observe(int32_t storage, const at::Tensor& t) {
+void Region::observe(StorageId storage, const at::Tensor& t) {
   StorageRecord& record = storages_[storage];
   const uint32_t version = version_of(t);
   const bool expected = version == record.last_version ||
@@ -198,8 +198,8 @@ void Region::record_args(
     ArgSlot slot;
     slot.arg = static_cast<uint32_t>(arg);
     slot.element = element;
-    const int32_t storage = find_storage(t);
-    if (storage >= 0 && storages_[storage].replayable) {
+    const StorageId storage = find_storage(t);
+    if (storage.valid() && storages_[storage].replayable) {
       StorageRecord& record = storages_[storage];
       if (scope_ != entries_[record.producer].scope &&
           std::find(record.reader_scopes.begin(), record.reader_scopes.end(), scope_) ==
@@ -207,14 +207,14 @@ void Region::record_args(
         record.reader_scopes.push_back(scope_);
       }
       slot.storage = storage;
-      slot.state = static_cast<int32_t>(storages_[storage].mutations.size());
+      slot.state = storages_[storage].mutations.next_id();
       slot.geometry = TensorGeometry::of(t);
     } else {
       slot.held = detached_alias(t);
       slot.version = version_of(t);
       if (t.has_storage()) {
         held_slots_[t.storage().unsafeGetStorageImpl()].emplace_back(
-            static_cast<int32_t>(entries_.size()), static_cast<int32_t>(entry.slots.size()));
+            entries_.next_id(), static_cast<int32_t>(entry.slots.size()));
       }
     }
     entry.slots.push_back(std::move(slot));
@@ -259,8 +259,7 @@ void Region::preserve_held_before_write(const at::Tensor& t) {
   // then fail its version check): only a replay of an earlier reader does.
   at::Tensor copy;
   for (const auto& [e, k] : it->second) {
-    if (static_cast<size_t>(e) >= entries_.size() ||
-        static_cast<size_t>(k) >= entries_[e].slots.size()) {
+    if (e.index() >= entries_.size() || static_cast<size_t>(k) >= entries_[e].slots.size()) {
       continue; // released
     }
     ArgSlot& slot = entries_[e].slots[k];
@@ -324,8 +323,8 @@ void Region::handle(
   for (const c10::IValue& v : inputs) {
     for_each_tensor(v, [&](const at::Tensor& t) {
       if (t.defined() && t.has_storage()) {
-        const int32_t s = find_storage(t);
-        if (s >= 0) {
+        const StorageId s = find_storage(t);
+        if (s.valid()) {
           observe(s, t);
         }
       }
@@ -337,14 +336,14 @@ void Region::handle(
   // exactly once. Only an op that makes new tensors or writes a replayable
   // storage can be replayed; others need no copy.
   std::vector<c10::IValue> overwritten(num_args);
-  std::vector<int32_t> written_storages;
+  std::vector<StorageId> written_storages;
   std::vector<size_t> written_unreplayable; // argument positions
   bool may_replay = recordable && facts.makes_new_tensors;
   for (size_t i : facts.written_args) {
     if (inputs[i].isTensorList() || inputs[i].isList()) {
       for_each_tensor(inputs[i], [&](const at::Tensor& t) {
-        const int32_t s = find_storage(t);
-        if (s >= 0) {
+        const StorageId s = find_storage(t);
+        if (s.valid()) {
           written_storages.push_back(s);
         }
         if (t.defined() && t.has_storage() && !held_slots_.empty()) {
@@ -359,12 +358,12 @@ void Region::handle(
         !inputs[i].toTensor().has_storage()) {
       continue;
     }
-    const int32_t s = find_storage(inputs[i].toTensor());
-    if (s >= 0) {
+    const StorageId s = find_storage(inputs[i].toTensor());
+    if (s.valid()) {
       written_storages.push_back(s);
       may_replay = may_replay || (recordable && storages_[s].replayable);
     }
-    if (s < 0 || !storages_[s].replayable) {
+    if (!s.valid() || !storages_[s].replayable) {
       written_unreplayable.push_back(i);
     }
   }
@@ -399,13 +398,13 @@ void Region::handle(
   OpInfo& op_info = ops_[op_index];
   ++op_info.calls;
   ++stats_.policy_calls;
-  const auto entry_index = static_cast<int32_t>(entries_.size());
+  const EntryId entry_index = entries_.next_id();
   Entry entry{op, op_index, call_index};
   entry.scope = scope_;
   if (!recordable || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.
-    for (int32_t s : written_storages) {
+    for (StorageId s : written_storages) {
       storages_[s].replayable = false;
     }
     entries_.push_back(std::move(entry));
@@ -424,7 +423,7 @@ void Region::handle(
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
       const int32_t position = output_position++;
-      if (!t.defined() || !t.has_storage() || find_storage(t) >= 0) {
+      if (!t.defined() || !t.has_storage() || find_storage(t).valid()) {
         return;
       }
       // A tensor from outside that the op merely returns is not produced here.
@@ -443,7 +442,7 @@ void Region::handle(
     });
   }
   bool writes_replayable = false;
-  for (int32_t s : written_storages) {
+  for (StorageId s : written_storages) {
     writes_replayable = writes_replayable || storages_[s].replayable;
   }
   if (produced) {
@@ -473,7 +472,7 @@ void Region::handle(
     entry.rng = std::move(rng);
     entry.numerics = NumericsState::current();
   }
-  for (int32_t s : written_storages) {
+  for (StorageId s : written_storages) {
     storages_[s].mutations.push_back(entry_index);
     storages_[s].recorded_write_pending = true;
   }
@@ -524,15 +523,15 @@ std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {
 
 SavedActivation Region::pack_locked(const at::Tensor& t) {
   SavedActivation saved;
-  const int32_t s = t.defined() && t.has_storage() ? find_storage(t) : -1;
-  if (s >= 0) {
+  const StorageId s = t.defined() && t.has_storage() ? find_storage(t) : StorageId::invalid();
+  if (s.valid()) {
     observe(s, t);
   }
   if (t.defined()) {
     saved.version = version_of(t);
     saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
   }
-  if (s < 0 || !storages_[s].replayable) {
+  if (!s.valid() || !storages_[s].replayable) {
     saved.kept = held_for_backward(t);
     ++stats_.packed_kept;
     return saved;
@@ -540,7 +539,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
   StorageRecord& record = storages_[s];
   saved.region = shared_from_this();
   saved.storage = s;
-  saved.state = static_cast<int32_t>(record.mutations.size());
+  saved.state = record.mutations.next_id();
   saved.geometry = TensorGeometry::of(t);
   saved.original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
   ++record.pending_unpacks;

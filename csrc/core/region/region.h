@@ -46,6 +46,7 @@
 #include "csrc/core/numerics_state.h"
 #include "csrc/core/op_facts.h"
 #include "csrc/core/op_policy.h"
+#include "csrc/core/region/ids.h"
 #include "csrc/core/region/memo.h"
 #include "csrc/core/region/replay_budget.h"
 #include "csrc/core/region/replay_schedule.h"
@@ -75,8 +76,8 @@ struct SavedActivation {
   c10::VariableVersion version_counter; // of the packed tensor
   // Dropped: how to rebuild it.
   std::shared_ptr<Region> region;
-  int32_t storage = -1;
-  int32_t state = 0;
+  StorageId storage;
+  StateId state{0};
   TensorGeometry geometry;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
   // The region's backward pass this one was last unpacked in.
@@ -84,7 +85,7 @@ struct SavedActivation {
   // Tape length when packed: a rebuild of it replays only earlier entries.
   int32_t horizon = 0;
   // The nested region that saved it (the op's, not the producer's scope).
-  int32_t scope = 0;
+  ScopeId scope{0};
   // The autograd graph task of its last unpack: reading it again in the
   // same backward (ctx.saved_tensors twice) is not a new backward pass.
   mutable int unpacked_task = -1;
@@ -169,8 +170,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     at::Tensor held;
     uint32_t version = 0;
     // ...or a reference into a storage the region can replay.
-    int32_t storage = -1;
-    int32_t state = 0;
+    StorageId storage; // invalid for a held tensor
+    StateId state{0};
     TensorGeometry geometry;
   };
 
@@ -181,13 +182,13 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     bool replayable = false;
     std::vector<c10::IValue> args; // tensors filled in from slots on replay
     std::vector<ArgSlot> slots;
-    std::vector<uint32_t> scratch_args;                // copies of overwritten outside tensors
-    std::vector<std::pair<int32_t, int32_t>> produced; // (output position, storage)
-    std::vector<int32_t> writes;                       // region storages it wrote to
+    std::vector<uint32_t> scratch_args;                  // copies of overwritten outside tensors
+    std::vector<std::pair<int32_t, StorageId>> produced; // (output position, storage)
+    std::vector<StorageId> writes;                       // region storages it wrote to
     std::optional<RngSnapshot> rng;
     NumericsState numerics; // default dtype etc. when recorded
     double replay_cost = 0; // estimated_replay_cost, when a budget weighs it
-    int32_t scope = 0;      // the nested region it was recorded in (scope_parents_)
+    ScopeId scope{0};       // the nested region it was recorded in (scope_parents_)
   };
 
   struct StorageRecord {
@@ -195,10 +196,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     c10::weak_intrusive_ptr<c10::StorageImpl> identity;
     c10::VariableVersion version_counter;
     int64_t nbytes = 0;
-    int32_t producer = -1;          // -1: from outside the region
-    int32_t producer_output = 0;    // among the producer's output tensors
-    bool replayable = false;        // produced by a RECOMPUTE op, never tainted
-    std::vector<int32_t> mutations; // entries that wrote to it, in order
+    EntryId producer;                     // invalid: from outside the region
+    int32_t producer_output = 0;          // among the producer's output tensors
+    bool replayable = false;              // produced by a RECOMPUTE op, never tainted
+    IdVector<StateId, EntryId> mutations; // [k]: the entry whose write made state k + 1
     // Last version seen, and whether a recorded write came after it: its
     // version bump happens above the interceptor, after the op returns (and
     // not at all for BatchNorm's running statistics), so the next sighting
@@ -212,7 +213,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     Memo memo; // a rebuilt copy
     // Scopes other than the producer's whose entries read it (nested
     // regions only): a rebuild keeps it for those scopes' backward.
-    std::vector<int32_t> reader_scopes;
+    std::vector<ScopeId> reader_scopes;
   };
 
   // One op overload in this region: what its schema says, shared with the
@@ -247,9 +248,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void forget_locked(const SavedActivation& saved);
   OpInfo& info_for(const c10::OperatorHandle& op, int32_t* index);
   Policy decide(const OpCall& call, const std::string& op_name);
-  int32_t find_storage(const at::Tensor& t) const;
-  int32_t track_storage(const at::Tensor& t, int32_t producer, int32_t output, bool replayable);
-  void observe(int32_t storage, const at::Tensor& t);
+  StorageId find_storage(const at::Tensor& t) const;
+  StorageId track_storage(const at::Tensor& t, EntryId producer, int32_t output, bool replayable);
+  void observe(StorageId storage, const at::Tensor& t);
   void record_args(
       Entry& entry,
       c10::ArrayRef<c10::IValue> inputs,
@@ -265,59 +266,59 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // last use in that replay, as the forward did: peak memory stays that of
   // re-running the forward of the needed ops, and each entry runs once.
   struct ReplayPlan {
-    std::vector<int32_t> entries;                // sorted before running
-    std::unordered_map<int32_t, int32_t> states; // storage -> state to rebuild
+    std::vector<EntryId> entries;                  // sorted before running
+    std::unordered_map<StorageId, StateId> states; // storage -> state to rebuild
     // Storages a memo covers (pinned for the replay), with their state.
-    std::unordered_map<int32_t, std::pair<c10::Storage, int32_t>> memos;
+    std::unordered_map<StorageId, std::pair<c10::Storage, StateId>> memos;
   };
-  ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
+  ReplayPlan plan_rebuild(StorageId storage, StateId state) const;
   // `scope`: of the saved activation it is for (nesting_allows).
-  c10::Storage materialize(int32_t storage, int32_t state, int32_t scope);
+  c10::Storage materialize(StorageId storage, StateId state, ScopeId scope);
   // A held argument must still be what the op read: same version, and its
   // storage not freed or shrunk since (FSDP2 frees unsharded parameters).
   void check_held(const ArgSlot& slot, const Entry& consumer);
   torch::jit::Stack replay_entry(
-      int32_t entry_index,
+      EntryId entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
-  bool worth_memoising(int32_t storage, int32_t state) const;
+  bool worth_memoising(StorageId storage, StateId state) const;
   // The storages `plan` rebuilds that autograd will unpack later, other
   // than `target`, in the order the plan makes them.
-  std::vector<int32_t> memo_candidates(const ReplayPlan& plan, int32_t target) const;
+  std::vector<StorageId> memo_candidates(const ReplayPlan& plan, StorageId target) const;
   // Which candidates this rebuild may keep: the schedule's step, the replay
   // budget's choice (replay_budget.h), or all of them (nullopt). Counts the
   // rebuild and records it in executed_.
-  std::optional<std::unordered_set<int32_t>> memos_allowed(
+  std::optional<std::unordered_set<StorageId>> memos_allowed(
       const ReplayPlan& plan,
-      int32_t target,
-      int32_t scope);
+      StorageId target,
+      ScopeId scope);
   // Nested regions drop their own tensors again, as nested checkpoints do:
   // a rebuild for a tensor saved in scope T keeps a candidate only if it was
   // made or read in T or a scope enclosing T. The others (a nested region's
   // internals met on the way) are rebuilt when that region's backward
   // unpacks them: multiple recomputation of the inner ops.
-  bool nesting_allows(int32_t candidate, int32_t scope) const;
-  bool encloses(int32_t outer, int32_t inner) const;
-  std::unordered_set<int32_t> memos_within_budget(
+  bool nesting_allows(StorageId candidate, ScopeId scope) const;
+  bool encloses(ScopeId outer, ScopeId inner) const;
+  std::unordered_set<StorageId> memos_within_budget(
       const ReplayPlan& plan,
-      int32_t target,
-      const std::vector<int32_t>& candidates);
-  std::unordered_set<int32_t> memos_scheduled(
-      int32_t target,
-      const std::vector<int32_t>& candidates,
+      StorageId target,
+      const std::vector<StorageId>& candidates);
+  std::unordered_set<StorageId> memos_scheduled(
+      StorageId target,
+      const std::vector<StorageId>& candidates,
       size_t rebuild) const;
-  ExecutedKey executed_key_of(int32_t storage) const;
+  ExecutedKey executed_key_of(StorageId storage) const;
   // Storages by the key a schedule names them with (op name, call index,
   // output): a recorded schedule of a large model names thousands per step.
   class StoragesByKey {
    public:
-    StoragesByKey(const Region& region, const std::vector<int32_t>& storages);
-    int32_t find(const TensorKey& key) const; // -1: not among them
+    StoragesByKey(const Region& region, const std::vector<StorageId>& storages);
+    StorageId find(const TensorKey& key) const; // invalid: not among them
 
    private:
-    std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key_;
+    std::map<std::tuple<int32_t, int64_t, int32_t>, StorageId> by_key_;
     std::unordered_map<std::string, int32_t> op_index_;
   };
-  TensorKey key_of(int32_t storage) const;
+  TensorKey key_of(StorageId storage) const;
   std::string describe_key(const TensorKey& key) const;
   int64_t strong_memo_bytes() const;
   // What the replay budget bounds: rebuilt tensors held, plus (when it
@@ -326,8 +327,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // After a rebuild: the schedule's releases, or under a replay budget, lets
   // go of other rebuilt tensors until what the region holds fits (the one
   // just rebuilt for autograd stays held). Records what it released.
-  void release_after_rebuild(int32_t target);
-  void memoise(int32_t storage, const at::Tensor& t, int32_t state);
+  void release_after_rebuild(StorageId target);
+  void memoise(StorageId storage, const at::Tensor& t, StateId state);
   // Weakens the memos nothing in this pass will unpack again; forgets the
   // weak ones whose storage died.
   void release_memos();
@@ -345,8 +346,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   std::vector<std::shared_ptr<OpPolicy>> policies_; // outermost first
   // Nested regions entered so far, by id (0: this region): each one's
   // enclosing scope (-1 for 0), and the one recording now.
-  std::vector<int32_t> scope_parents_{-1};
-  int32_t scope_ = 0;
+  IdVector<ScopeId, ScopeId> scope_parents_{ScopeId::invalid()};
+  ScopeId scope_{0};
   bool allow_cache_entry_mutation_;
   const int64_t replay_budget_;
   const bool budget_counts_saved_;
@@ -355,15 +356,15 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // no graph is built, so nothing is recorded.
   const bool records_;
   bool open_ = true;
-  std::vector<Entry> entries_;
-  std::vector<StorageRecord> storages_;
-  std::unordered_map<const c10::StorageImpl*, int32_t> storage_index_;
+  IdVector<EntryId, Entry> entries_;
+  IdVector<StorageId, StorageRecord> storages_;
+  std::unordered_map<const c10::StorageImpl*, StorageId> storage_index_;
   // Held arguments by the storage they hold: (entry, slot). The held alias
   // keeps the storage alive, so the address is not reused while listed.
-  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int32_t, int32_t>>> held_slots_;
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<EntryId, int32_t>>> held_slots_;
   std::vector<OpInfo> ops_;
   std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
-  std::vector<int32_t> memoised_;
+  std::vector<StorageId> memoised_;
   int64_t live_dropped_ = 0;                 // SavedActivations referring to this region
   int64_t pass_ = 0;                         // backward passes through the region, from 0
   std::map<int32_t, int32_t> live_horizons_; // horizon -> live dropped activations

@@ -86,8 +86,8 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   }
   // The storage itself may still be alive (another region, or the user,
   // kept a different tensor of it) and unchanged since it was saved.
-  if (c10::Storage alive(record.identity.lock()); alive &&
-      record.mutations.size() == static_cast<size_t>(saved.state) && saved.geometry.fits(alive)) {
+  if (c10::Storage alive(record.identity.lock());
+      alive && record.mutations.next_id() == saved.state && saved.geometry.fits(alive)) {
     ++stats_.unpacked_original;
     return saved.geometry.view_of(alive);
   }
@@ -116,27 +116,27 @@ void Region::start_new_pass() {
   for (StorageRecord& record : storages_) {
     record.pending_unpacks = record.live_refs;
   }
-  for (int32_t s : memoised_) {
+  for (StorageId s : memoised_) {
     storages_[s].memo.clear();
   }
   memoised_.clear();
 }
 
-Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
+Region::ReplayPlan Region::plan_rebuild(StorageId storage, StateId state) const {
   ReplayPlan plan;
-  std::unordered_set<int32_t> planned;
+  std::unordered_set<EntryId> planned;
   struct Need {
-    int32_t storage;
-    int32_t state;
+    StorageId storage;
+    StateId state;
     bool written; // the entry writes to it: never hand it a memo
   };
   std::vector<Need> needed{{storage, state, false}};
-  auto add_entry = [&](int32_t e) {
+  auto add_entry = [&](EntryId e) {
     if (planned.insert(e).second) {
       plan.entries.push_back(e);
       const Entry& entry = entries_[e];
       for (const ArgSlot& slot : entry.slots) {
-        if (slot.storage >= 0) {
+        if (slot.storage.valid()) {
           const bool written = std::find(entry.writes.begin(), entry.writes.end(), slot.storage) !=
               entry.writes.end();
           needed.push_back({slot.storage, slot.state, written});
@@ -156,14 +156,14 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
       }
     }
     const StorageRecord& record = storages_[s];
-    auto [it, inserted] = plan.states.try_emplace(s, 0);
+    auto [it, inserted] = plan.states.try_emplace(s, StateId(0));
     if (inserted) {
-      TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for a storage");
+      TORCH_INTERNAL_ASSERT(record.producer.valid(), "torch_sac: no op to replay for a storage");
       add_entry(record.producer);
     }
     // In tape order a consumer sees the storage at the state it recorded:
     // the writes before it are replayed before it, the later ones after.
-    for (int32_t k = it->second; k < st; ++k) {
+    for (StateId k = it->second; k < st; k = k.next()) {
       add_entry(record.mutations[k]);
     }
     it->second = std::max(it->second, st);
@@ -172,16 +172,16 @@ Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
   return plan;
 }
 
-c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) {
+c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope) {
   if (c10::Storage memo = storages_[storage].memo.at_state(state)) {
     return memo;
   }
   const ReplayPlan plan = plan_rebuild(storage, state);
   // The last plan entry that uses each rebuilt storage.
-  std::unordered_map<int32_t, int32_t> last_use;
-  for (int32_t e : plan.entries) {
+  std::unordered_map<StorageId, EntryId> last_use;
+  for (EntryId e : plan.entries) {
     for (const ArgSlot& slot : entries_[e].slots) {
-      if (slot.storage >= 0 && plan.states.count(slot.storage)) {
+      if (slot.storage.valid() && plan.states.count(slot.storage)) {
         last_use[slot.storage] = e;
       }
     }
@@ -191,16 +191,16 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
       }
     }
   }
-  const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage, scope);
+  const std::optional<std::unordered_set<StorageId>> allowed = memos_allowed(plan, storage, scope);
   if (executed_.size() == 1) {
     stats_.first_rebuild_replayed_ops = static_cast<int64_t>(plan.entries.size());
   }
-  auto may_keep = [&](int32_t s, int32_t st) {
+  auto may_keep = [&](StorageId s, StateId st) {
     return worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
   };
   // Rebuilt storages with their current state.
-  std::unordered_map<int32_t, std::pair<at::Tensor, int32_t>> working;
-  for (int32_t e : plan.entries) {
+  std::unordered_map<StorageId, std::pair<at::Tensor, StateId>> working;
+  for (EntryId e : plan.entries) {
     const Entry& entry = entries_[e];
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
       if (slot.held.defined()) {
@@ -223,28 +223,28 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
     for (const c10::IValue& out : outputs) {
       for_each_tensor(out, [&](const at::Tensor& t) {
         if (produced != entry.produced.end() && produced->first == position) {
-          const int32_t s = produced->second;
+          const StorageId s = produced->second;
           if (plan.states.count(s)) {
-            working[s] = {t, 0};
-          } else if (may_keep(s, 0)) {
+            working[s] = {t, StateId(0)};
+          } else if (may_keep(s, StateId(0))) {
             // A sibling backward will soon need too (layer norm's mean, rstd).
-            memoise(s, t, 0);
+            memoise(s, t, StateId(0));
           }
           ++produced;
         }
         ++position;
       });
     }
-    for (int32_t s : entry.writes) {
+    for (StorageId s : entry.writes) {
       auto w = working.find(s);
       if (w != working.end()) {
-        ++w->second.second;
+        w->second.second = w->second.second.next();
       }
     }
     // Intermediates past their last use go now; ones autograd will unpack
     // later in this backward stay as memos.
     for (auto it = working.begin(); it != working.end();) {
-      const int32_t s = it->first;
+      const StorageId s = it->first;
       if (s != storage && last_use.at(s) == e) {
         if (may_keep(s, it->second.second)) {
           memoise(s, it->second.first, it->second.second);
@@ -271,24 +271,24 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
   return result.storage();
 }
 
-void Region::release_after_rebuild(int32_t target) {
+void Region::release_after_rebuild(StorageId target) {
   if (!schedule_ && replay_budget_ == kNoReplayBudget) {
     return;
   }
-  std::vector<int32_t> held;
-  for (int32_t s : memoised_) {
+  std::vector<StorageId> held;
+  for (StorageId s : memoised_) {
     if (s != target && storages_[s].memo.strong()) {
       held.push_back(s);
     }
   }
-  std::vector<int32_t> released;
+  std::vector<StorageId> released;
   if (schedule_) {
     const size_t rebuild = executed_.size() - 1;
     const StoragesByKey by_key(*this, held);
     for (const TensorKey& key : (*schedule_)[rebuild].release) {
-      const int32_t found = by_key.find(key);
+      const StorageId found = by_key.find(key);
       TORCH_CHECK_VALUE(
-          found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " releases ",
+          found.valid(), "torch_sac: replay schedule rebuild #", rebuild, " releases ",
           describe_key(key),
           ", which the region does not hold at that point (never kept, or already unpacked "
           "for the last time).");
@@ -298,11 +298,11 @@ void Region::release_after_rebuild(int32_t target) {
     // Earlier targets still waiting for unpacks are held too: let go of the
     // earliest in the tape first (backward reaches them last); one still
     // alive elsewhere is served from there, the others are rebuilt.
-    std::sort(held.begin(), held.end(), [&](int32_t a, int32_t b) {
+    std::sort(held.begin(), held.end(), [&](StorageId a, StorageId b) {
       return storages_[a].producer < storages_[b].producer;
     });
     int64_t bytes = budgeted_bytes();
-    for (int32_t s : held) {
+    for (StorageId s : held) {
       if (bytes <= replay_budget_) {
         break;
       }
@@ -310,19 +310,19 @@ void Region::release_after_rebuild(int32_t target) {
       released.push_back(s);
     }
   }
-  for (int32_t s : released) {
+  for (StorageId s : released) {
     storages_[s].memo.weaken();
     ++stats_.memos_skipped;
     executed_.back().release.push_back(executed_key_of(s));
   }
 }
 
-std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t target) const {
-  std::vector<int32_t> candidates;
-  for (int32_t e : plan.entries) {
+std::vector<StorageId> Region::memo_candidates(const ReplayPlan& plan, StorageId target) const {
+  std::vector<StorageId> candidates;
+  for (EntryId e : plan.entries) {
     for (const auto& [position, s] : entries_[e].produced) {
       const auto rebuilt = plan.states.find(s);
-      const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
+      const StateId state = rebuilt == plan.states.end() ? StateId(0) : rebuilt->second;
       if (s != target && worth_memoising(s, state)) {
         candidates.push_back(s);
       }
@@ -331,8 +331,8 @@ std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t tar
   return candidates;
 }
 
-bool Region::encloses(int32_t outer, int32_t inner) const {
-  for (int32_t s = inner; s >= 0; s = scope_parents_[s]) {
+bool Region::encloses(ScopeId outer, ScopeId inner) const {
+  for (ScopeId s = inner; s.valid(); s = scope_parents_[s]) {
     if (s == outer) {
       return true;
     }
@@ -340,25 +340,25 @@ bool Region::encloses(int32_t outer, int32_t inner) const {
   return false;
 }
 
-bool Region::nesting_allows(int32_t candidate, int32_t scope) const {
+bool Region::nesting_allows(StorageId candidate, ScopeId scope) const {
   const StorageRecord& record = storages_[candidate];
   if (encloses(entries_[record.producer].scope, scope)) {
     return true;
   }
-  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(), [&](int32_t reader) {
+  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(), [&](ScopeId reader) {
     return encloses(reader, scope);
   });
 }
 
-std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
+std::optional<std::unordered_set<StorageId>> Region::memos_allowed(
     const ReplayPlan& plan,
-    int32_t target,
-    int32_t scope) {
-  std::vector<int32_t> candidates = memo_candidates(plan, target);
+    StorageId target,
+    ScopeId scope) {
+  std::vector<StorageId> candidates = memo_candidates(plan, target);
   const size_t rebuild = executed_.size();
-  std::optional<std::unordered_set<int32_t>> allowed;
+  std::optional<std::unordered_set<StorageId>> allowed;
   if (!schedule_ && scope_parents_.size() > 1) {
-    const auto nested = std::remove_if(candidates.begin(), candidates.end(), [&](int32_t s) {
+    const auto nested = std::remove_if(candidates.begin(), candidates.end(), [&](StorageId s) {
       return !nesting_allows(s, scope);
     });
     if (nested != candidates.end()) {
@@ -378,7 +378,7 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
                                    .count();
   }
   ExecutedStep step{executed_key_of(target), {}, {}};
-  for (int32_t s : candidates) {
+  for (StorageId s : candidates) {
     if (!allowed || allowed->count(s)) {
       step.keep.push_back(executed_key_of(s));
     }
@@ -387,14 +387,14 @@ std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
   return allowed;
 }
 
-Region::ExecutedKey Region::executed_key_of(int32_t storage) const {
+Region::ExecutedKey Region::executed_key_of(StorageId storage) const {
   const StorageRecord& record = storages_[storage];
   const Entry& producer = entries_[record.producer];
   return {producer.op_index, producer.call_index, record.producer_output};
 }
 
-Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<int32_t>& storages) {
-  for (int32_t s : storages) {
+Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<StorageId>& storages) {
+  for (StorageId s : storages) {
     const ExecutedKey k = region.executed_key_of(s);
     by_key_.emplace(std::make_tuple(k.op_index, k.call_index, k.output), s);
   }
@@ -403,16 +403,16 @@ Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<int
   }
 }
 
-int32_t Region::StoragesByKey::find(const TensorKey& key) const {
+StorageId Region::StoragesByKey::find(const TensorKey& key) const {
   const auto op = op_index_.find(key.op);
   if (op == op_index_.end()) {
-    return -1;
+    return StorageId::invalid();
   }
   const auto found = by_key_.find(std::make_tuple(op->second, key.call_index, key.output));
-  return found == by_key_.end() ? -1 : found->second;
+  return found == by_key_.end() ? StorageId::invalid() : found->second;
 }
 
-TensorKey Region::key_of(int32_t storage) const {
+TensorKey Region::key_of(StorageId storage) const {
   const ExecutedKey key = executed_key_of(storage);
   return {ops_[key.op_index].facts->name, key.call_index, key.output};
 }
@@ -423,9 +423,9 @@ std::string Region::describe_key(const TensorKey& key) const {
   return out.str();
 }
 
-std::unordered_set<int32_t> Region::memos_scheduled(
-    int32_t target,
-    const std::vector<int32_t>& candidates,
+std::unordered_set<StorageId> Region::memos_scheduled(
+    StorageId target,
+    const std::vector<StorageId>& candidates,
     size_t rebuild) const {
   TORCH_CHECK_VALUE(
       rebuild < schedule_->size(), "torch_sac: the replay schedule has ", schedule_->size(),
@@ -447,11 +447,11 @@ std::unordered_set<int32_t> Region::memos_scheduled(
       "backward or autograd.grad reading the same tensors starts a new pass): record it "
       "again (region.replay_schedule()) from a run of this one.");
   const StoragesByKey by_key(*this, candidates);
-  std::unordered_set<int32_t> allowed;
+  std::unordered_set<StorageId> allowed;
   for (const TensorKey& key : step.keep) {
-    const int32_t found = by_key.find(key);
+    const StorageId found = by_key.find(key);
     TORCH_CHECK_VALUE(
-        found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " (for ",
+        found.valid(), "torch_sac: replay schedule rebuild #", rebuild, " (for ",
         describe_key(unpacked), ") keeps ", describe_key(key),
         ", which this rebuild does not make, or which "
         "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
@@ -461,15 +461,15 @@ std::unordered_set<int32_t> Region::memos_scheduled(
   return allowed;
 }
 
-std::unordered_set<int32_t> Region::memos_within_budget(
+std::unordered_set<StorageId> Region::memos_within_budget(
     const ReplayPlan& plan,
-    int32_t target,
-    const std::vector<int32_t>& candidates) {
-  const std::unordered_set<int32_t> is_candidate(candidates.begin(), candidates.end());
+    StorageId target,
+    const std::vector<StorageId>& candidates) {
+  const std::unordered_set<StorageId> is_candidate(candidates.begin(), candidates.end());
   const auto m = static_cast<int32_t>(plan.entries.size());
   // Where each storage the plan rebuilds is made and last read in it.
-  std::unordered_map<int32_t, int32_t> made_at;
-  std::unordered_map<int32_t, int32_t> last_read_at;
+  std::unordered_map<StorageId, int32_t> made_at; // plan positions
+  std::unordered_map<StorageId, int32_t> last_read_at;
   std::vector<double> cost_through(m);
   double cost = 0;
   for (int32_t i = 0; i < m; ++i) {
@@ -488,25 +488,25 @@ std::unordered_set<int32_t> Region::memos_within_budget(
   // Cuts: after op p, the storages made at or before p and read after it.
   // A cut is a checkpoint only if all of them are candidates (the returned
   // tensor is held anyway and costs nothing more).
-  std::vector<std::vector<int32_t>> made(m), done(m);
+  std::vector<std::vector<StorageId>> made(m), done(m);
   for (const auto& [s, last] : last_read_at) {
     made[made_at.at(s)].push_back(s);
     done[last].push_back(s);
   }
-  auto bytes_of = [&](int32_t s) { return s == target ? int64_t{0} : storages_[s].nbytes; };
-  auto unkeepable = [&](int32_t s) { return s != target && !is_candidate.count(s) ? 1 : 0; };
+  auto bytes_of = [&](StorageId s) { return s == target ? int64_t{0} : storages_[s].nbytes; };
+  auto unkeepable = [&](StorageId s) { return s != target && !is_candidate.count(s) ? 1 : 0; };
   std::vector<ReplayCut> cuts;
   std::vector<int32_t> cut_after;
   int64_t crossing_bytes = 0;
   int32_t crossing = 0;
   int32_t crossing_unkeepable = 0;
   for (int32_t p = 0; p + 1 < m; ++p) {
-    for (int32_t s : made[p]) {
+    for (StorageId s : made[p]) {
       crossing_bytes += bytes_of(s);
       ++crossing;
       crossing_unkeepable += unkeepable(s);
     }
-    for (int32_t s : done[p]) {
+    for (StorageId s : done[p]) {
       crossing_bytes -= bytes_of(s);
       --crossing;
       crossing_unkeepable -= unkeepable(s);
@@ -518,11 +518,11 @@ std::unordered_set<int32_t> Region::memos_within_budget(
   }
   // The tensor being rebuilt is returned to autograd, and counts.
   const int64_t free_bytes = replay_budget_ - budgeted_bytes() - storages_[target].nbytes;
-  std::unordered_set<int32_t> allowed;
+  std::unordered_set<StorageId> allowed;
   // What the unpacks right after this one need: the candidates past the
   // last cut.
   int64_t tail_bytes = 0;
-  for (int32_t s : candidates) {
+  for (StorageId s : candidates) {
     if (cut_after.empty() || made_at.at(s) > cut_after.back()) {
       tail_bytes += storages_[s].nbytes;
     }
@@ -533,11 +533,11 @@ std::unordered_set<int32_t> Region::memos_within_budget(
   const std::vector<size_t>& chosen = choice.cuts;
   if (!chosen.empty()) {
     // Sweep again, collecting what crosses each chosen cut.
-    std::unordered_set<int32_t> live;
+    std::unordered_set<StorageId> live;
     size_t next = 0;
     for (int32_t p = 0; p + 1 < m && next < chosen.size(); ++p) {
       live.insert(made[p].begin(), made[p].end());
-      for (int32_t s : done[p]) {
+      for (StorageId s : done[p]) {
         live.erase(s);
       }
       if (p == cut_after[chosen[next]]) {
@@ -548,7 +548,7 @@ std::unordered_set<int32_t> Region::memos_within_budget(
     allowed.erase(target);
   }
   int64_t used = 0;
-  for (int32_t s : allowed) {
+  for (StorageId s : allowed) {
     used += storages_[s].nbytes;
   }
   // The tail autograd unpacks next, as far back as the rest allows.
@@ -563,7 +563,7 @@ std::unordered_set<int32_t> Region::memos_within_budget(
     used += storages_[*it].nbytes;
   }
   // Empty tensors cost nothing to keep.
-  for (int32_t s : candidates) {
+  for (StorageId s : candidates) {
     if (storages_[s].nbytes == 0) {
       allowed.insert(s);
     }
@@ -602,7 +602,7 @@ ReplaySchedule Region::executed_schedule() const {
 
 int64_t Region::strong_memo_bytes() const {
   int64_t bytes = 0;
-  for (int32_t s : memoised_) {
+  for (StorageId s : memoised_) {
     bytes += storages_[s].memo.strong_bytes();
   }
   return bytes;
@@ -614,7 +614,7 @@ int64_t Region::budgeted_bytes() const {
     // A kept output is alive while autograd (or the region, for replays)
     // still holds it; its record pins the address, not the memory.
     for (const StorageRecord& record : storages_) {
-      if (record.producer >= 0 && !record.replayable && !record.identity.expired()) {
+      if (record.producer.valid() && !record.replayable && !record.identity.expired()) {
         bytes += record.nbytes;
       }
     }
@@ -625,13 +625,12 @@ int64_t Region::budgeted_bytes() const {
 // A rebuilt storage met on the way is kept when autograd will still unpack
 // it at that state. Saved activations of a storage are all at its last
 // state: one saved before a later in-place write fails the version check.
-bool Region::worth_memoising(int32_t storage, int32_t state) const {
+bool Region::worth_memoising(StorageId storage, StateId state) const {
   const StorageRecord& record = storages_[storage];
-  return record.pending_unpacks > 0 && !record.memo.strong() &&
-      static_cast<size_t>(state) == record.mutations.size();
+  return record.pending_unpacks > 0 && !record.memo.strong() && state == record.mutations.next_id();
 }
 
-void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
+void Region::memoise(StorageId storage, const at::Tensor& t, StateId state) {
   StorageRecord& record = storages_[storage];
   if (!record.memo.listed()) {
     memoised_.push_back(storage);
@@ -664,7 +663,7 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
   if (now == slot.version) {
     return;
   }
-  const bool from_region = find_storage(slot.held) >= 0;
+  const bool from_region = find_storage(slot.held).valid();
   if (from_region && allow_cache_entry_mutation_) {
     return;
   }
@@ -683,11 +682,12 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
 }
 
 torch::jit::Stack Region::replay_entry(
-    int32_t entry_index,
+    EntryId entry_index,
     c10::function_ref<at::Tensor(const ArgSlot&)> resolve) {
   // Entries are never added during replay, so the reference stays valid.
   const Entry& entry = entries_[entry_index];
-  TORCH_INTERNAL_ASSERT(entry.replayable, "torch_sac: entry ", entry_index, " cannot be replayed");
+  TORCH_INTERNAL_ASSERT(
+      entry.replayable, "torch_sac: entry ", entry_index.value, " cannot be replayed");
   torch::jit::Stack stack(entry.args.begin(), entry.args.end());
   int64_t copied_list = -1;
   for (const ArgSlot& slot : entry.slots) {
@@ -745,7 +745,7 @@ torch::jit::Stack Region::replay_entry(
 
 void Region::release_memos() {
   size_t kept = 0;
-  for (int32_t s : memoised_) {
+  for (StorageId s : memoised_) {
     Memo& memo = storages_[s].memo;
     if (storages_[s].pending_unpacks <= 0) {
       memo.weaken();
