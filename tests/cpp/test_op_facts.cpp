@@ -21,7 +21,7 @@ namespace region {
 // Friend of Region: what it recorded, by op name.
 struct RegionTestAccess {
   static const OpFacts* facts(const Region& region, const std::string& name) {
-    for (const auto& info : region.ops_) {
+    for (const auto& info : region.tape_.ops) {
       if (info.facts->name == name) {
         return info.facts.get();
       }
@@ -31,8 +31,8 @@ struct RegionTestAccess {
   // Whether the entries of `name` hold an RNG snapshot, in call order.
   static std::vector<bool> rng_snapshots(const Region& region, const std::string& name) {
     std::vector<bool> out;
-    for (const auto& entry : region.entries_) {
-      if (region.ops_[entry.op_index].facts->name == name) {
+    for (const auto& entry : region.tape_.entries) {
+      if (region.tape_.ops[entry.op_index].facts->name == name) {
         out.push_back(entry.rng.has_value());
       }
     }
