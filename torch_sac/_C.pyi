@@ -212,6 +212,12 @@ class Region(OpHandler):
 
 def unpack_saved(saved: SavedActivation, /) -> torch.Tensor: ...
 
+# The keys of SelectiveCheckpoint.stats() and Region.stats(), in dict order,
+# each with what it counts (csrc/core/stats.h). The drop-in's list ends with
+# its deprecated aliases (recomputed_ops, recompute_ns).
+def dropin_stat_fields() -> list[tuple[str, str]]: ...
+def region_stat_fields() -> list[tuple[str, str]]: ...
+
 # --- Named scopes (torch_sac.name) -------------------------------------------------
 
 def intern_name(name: str, /) -> int:

@@ -14,6 +14,7 @@
 
 #include "csrc/api/autograd_hooks.h"
 #include "csrc/core/interceptor.h"
+#include "csrc/core/region/region.h"
 #include "torch_sac/policies.h"
 
 namespace torch_sac {
@@ -143,6 +144,8 @@ bool SacContext::nested() const {
 RegionHandle SacContext::handle() const {
   return RegionHandle(state_->region);
 }
+
+RegionHandle::RegionHandle(std::shared_ptr<region::Region> region) : region_(std::move(region)) {}
 
 RegionStats RegionHandle::stats() const {
   TORCH_CHECK(region_, "torch_sac::RegionHandle::stats: the handle refers to no region");

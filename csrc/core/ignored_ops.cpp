@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <mutex>
 
+#include "csrc/core/op_facts.h"
+
 namespace torch_sac {
 namespace {
 
@@ -51,6 +53,8 @@ void add_ignored_ops(const std::vector<c10::OperatorName>& extra) {
       names.push_back(name);
     }
   }
+  // Facts cached before hold the old answer.
+  forget_op_facts();
 }
 
 bool is_ignored_op(const c10::OperatorName& name) {

@@ -7,16 +7,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <mutex>
 #include <sstream>
 
 #include "csrc/core/detached_alias.h"
-#include "csrc/core/ignored_ops.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/op_name.h"
 #include "csrc/core/replay_guard.h"
 #include "csrc/core/tensor_version.h"
-#include "csrc/core/written_args.h"
 
 namespace torch_sac {
 namespace {
@@ -215,65 +212,6 @@ constexpr const char* kDropinFixes =
       kDropinFixes);
 }
 
-SelectiveCache::OpTraits compute_op_traits(const c10::OperatorHandle& op) {
-  SelectiveCache::OpTraits traits;
-  traits.ignored = is_ignored_op(op.operator_name());
-  traits.written_args = written_args(op);
-  traits.draws_random = op.hasTag(at::Tag::nondeterministic_seeded);
-  const auto& args = op.schema().arguments();
-  traits.num_args = args.size();
-  traits.num_returns = op.schema().returns().size();
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i].name() == "dropout_p") {
-      traits.dropout_p_arg = i;
-    }
-  }
-  for (const c10::Argument& ret : op.schema().returns()) {
-    traits.returns_alias = traits.returns_alias || ret.alias_info();
-    traits.returns_written_arg = traits.returns_written_arg ||
-        (ret.alias_info() && ret.alias_info()->isWrite());
-  }
-  return traits;
-}
-
-// Traits of every op overload met so far, shared by all regions and threads:
-// a region meets its ops anew, and reading a schema is far dearer than a
-// lookup. An op's entry goes when the op is deregistered, as a new op may
-// then get its handle.
-class OpTraitsCache final : public c10::OpRegistrationListener {
- public:
-  SelectiveCache::OpTraits get(const c10::OperatorHandle& op) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = traits_.find(op);
-    if (it == traits_.end()) {
-      it = traits_.emplace(op, compute_op_traits(op)).first;
-    }
-    return it->second;
-  }
-  void onOperatorRegistered(const c10::OperatorHandle& /*op*/) override {}
-  void onOperatorDeregistered(const c10::OperatorHandle& op) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    traits_.erase(op);
-  }
-
- private:
-  std::mutex mutex_;
-  ska::flat_hash_map<c10::OperatorHandle, SelectiveCache::OpTraits> traits_;
-};
-
-SelectiveCache::OpTraits op_traits(const c10::OperatorHandle& op) {
-  // The dispatcher owns the listener. The registration handle is leaked on
-  // purpose: undoing it at exit could run after the dispatcher is gone.
-  static OpTraitsCache* const cache = [] {
-    auto listener = std::make_unique<OpTraitsCache>();
-    OpTraitsCache* raw = listener.get();
-    new c10::RegistrationHandleRAII(
-        c10::Dispatcher::singleton().addRegistrationListener(std::move(listener)));
-    return raw;
-  }();
-  return cache->get(op);
-}
-
 } // namespace
 
 void SelectiveCache::begin_forward() {
@@ -329,7 +267,7 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
   if (it != records_by_op_.end()) {
     return *it->second;
   }
-  auto& record = records_by_op_.emplace(op, std::make_unique<OpRecord>(op, op_traits(op)))
+  auto& record = records_by_op_.emplace(op, std::make_unique<OpRecord>(op, op_facts(op)))
                      .first->second;
   first_seen_order_.push_back(record.get());
   return *record;
@@ -353,7 +291,7 @@ void SelectiveCache::cache_outputs(
           cached_storages_[s].emplace_back(&record, call_index);
         }
       }
-      return cacheable(t, record.returns_alias);
+      return cacheable(t, record.facts->returns_alias);
     }));
   }
   ++stats_.saved_ops;
@@ -419,7 +357,7 @@ void CachingHandler::handle(
     return;
   }
   SelectiveCache::OpRecord& record = cache_->record_for(op);
-  if (record.ignored) {
+  if (record.facts->ignored) {
     run(stack);
     return;
   }
@@ -427,7 +365,7 @@ void CachingHandler::handle(
       policy_, "torch_sac: ", op_display_name(op),
       " ran in a forward checkpoint "
       "context that was already exited; enter a new pair of contexts per forward.");
-  const size_t num_args = record.num_args;
+  const size_t num_args = record.facts->num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - num_args, num_args);
   // A policy that looks at the inputs sees them after the op ran (torch calls
@@ -436,18 +374,16 @@ void CachingHandler::handle(
   if (policy_->needs_values()) {
     inputs.assign(args.begin(), args.end());
   }
-  const bool draws_now = record.draws_random &&
-      !(record.dropout_p_arg && args[*record.dropout_p_arg].isDouble() &&
-        args[*record.dropout_p_arg].toDouble() == 0.0);
+  const bool draws_now = call_draws_random(*record.facts, args);
   auto& inputs_seen = cache_->inputs_seen_;
   const size_t inputs_begin = inputs_seen.size();
   std::vector<SelectiveCache::StorageWritten> writes;
   uint32_t position = 0;
   const int64_t sequence_position = cache_->forward_ops_;
   for (size_t i = 0; i < num_args; ++i) {
-    const bool written = !record.written_args.empty() &&
-        std::find(record.written_args.begin(), record.written_args.end(), i) !=
-            record.written_args.end();
+    const bool written = !record.facts->written_args.empty() &&
+        std::find(record.facts->written_args.begin(), record.facts->written_args.end(), i) !=
+            record.facts->written_args.end();
     for_each_tensor(args[i], [&](const at::Tensor& t) {
       SelectiveCache::InputSeen& input = inputs_seen.emplace_back();
       if (const c10::StorageImpl* s = storage_of(t)) {
@@ -470,13 +406,13 @@ void CachingHandler::handle(
   // skips the op, so a write to a tensor recompute makes anew would be lost,
   // and an in-place op returns its `self` to the Python code, not the
   // handler's output.
-  bool cacheable_writes = record.written_args.empty() ||
-      (!record.returns_written_arg &&
+  bool cacheable_writes = record.facts->written_args.empty() ||
+      (!record.facts->returns_written_arg &&
        std::none_of(writes.begin(), writes.end(), [&](const auto& w) {
          return cache_->produced_.count(w.storage->_unsafe_get_target()) > 0;
        }));
   run(stack);
-  const size_t num_returns = record.num_returns;
+  const size_t num_returns = record.facts->num_returns;
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
   const c10::ArrayRef<SelectiveCache::InputSeen> seen(
       cache_->inputs_seen_.data() + inputs_begin, num_inputs);
@@ -493,7 +429,7 @@ void CachingHandler::handle(
         return;
       }
       cache_->produced_.insert(s);
-      if (record.returns_alias ||
+      if (record.facts->returns_alias ||
           std::find(new_storages.begin(), new_storages.end(), s) != new_storages.end() ||
           std::any_of(seen.begin(), seen.end(), [&](const SelectiveCache::InputSeen& in) {
             return in.storage && in.storage->_unsafe_get_target() == s;
@@ -623,7 +559,7 @@ void CachedHandler::handle(
     return;
   }
   SelectiveCache::OpRecord& record = cache_->record_for(op);
-  if (record.ignored) {
+  if (record.facts->ignored) {
     run(stack);
     return;
   }
@@ -636,7 +572,7 @@ void CachedHandler::handle(
                 std::to_string(record.entries.size()) + " times");
   }
   SelectiveCache::Entry& entry = record.entries[call_index];
-  const size_t num_args = record.num_args;
+  const size_t num_args = record.facts->num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
   check_inputs(
       record, call_index,
@@ -667,7 +603,7 @@ void CachedHandler::handle(
       const int64_t elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                   std::chrono::steady_clock::now() - start)
                                   .count();
-      const size_t num_returns = record.num_returns;
+      const size_t num_returns = record.facts->num_returns;
       c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
       if (signature_of(outputs) != entry.signature) {
         recompute_outputs_differ(op, call_index, entry.first_output_sizes, outputs);
@@ -675,8 +611,8 @@ void CachedHandler::handle(
       ++entry.recomputed;
       ++record.recomputed;
       record.recompute_ns += elapsed;
-      ++stats.recomputed_ops;
-      stats.recompute_ns += elapsed;
+      ++stats.replayed_ops;
+      stats.replay_ns += elapsed;
       return;
     }
     case SelectiveCache::EntryState::Consumed:
@@ -705,10 +641,10 @@ std::vector<OpSummary> SelectiveCache::summary() const {
   std::vector<OpSummary> out;
   out.reserve(first_seen_order_.size());
   for (const OpRecord* record : first_seen_order_) {
-    if (record->ignored) {
+    if (record->facts->ignored) {
       continue;
     }
-    OpSummary s{op_display_name(record->op)};
+    OpSummary s{record->facts->name};
     s.recomputes_by_call.reserve(record->entries.size());
     for (const Entry& e : record->entries) {
       const bool saved = e.state != EntryState::Recompute;

@@ -25,7 +25,8 @@
 //  * random ops are always recomputed: recompute restores the RNG state
 //    forward started from, so a random op served from the cache would not
 //    draw and every random op after it would draw different numbers (an
-//    attention kernel called with dropout_p=0 draws nothing and may be cached).
+//    attention kernel called with dropout_p=0 draws nothing and may be cached:
+//    call_draws_random in op_facts.h, the rule the region engine uses too).
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -42,23 +43,11 @@
 
 #include "csrc/core/interceptor.h"
 #include "csrc/core/numerics_state.h"
+#include "csrc/core/op_facts.h"
 #include "csrc/core/op_policy.h"
+#include "csrc/core/stats.h"
 
 namespace torch_sac {
-
-struct SelectiveCacheStats {
-  int64_t policy_calls = 0;
-  int64_t saved_ops = 0;
-  int64_t saved_bytes = 0;
-  int64_t recomputed_ops = 0;
-  int64_t cache_hits = 0;
-  // Cached in forward, then written in place later in forward: recomputed.
-  int64_t invalidated_ops = 0;
-  // Writes recompute made to a copy because forward already made them.
-  int64_t redirected_writes = 0;
-  // Time spent running the ops recompute re-ran (not its cache hits).
-  int64_t recompute_ns = 0;
-};
 
 // What happened to one op overload's calls in a region.
 struct OpSummary {
@@ -135,23 +124,14 @@ class SelectiveCache {
     std::unique_ptr<CachedOutputs> cached; // set while state is Cached
   };
 
-  // What the schema and tags of an op overload say, the same in every region.
-  struct OpTraits {
-    bool ignored = false; // in the ignored set: never cached
-    std::vector<size_t> written_args;
-    bool returns_written_arg = false;    // in-place and out= ops
-    bool returns_alias = false;          // views, in-place and out= ops
-    bool draws_random = false;           // nondeterministic_seeded: never cached...
-    std::optional<size_t> dropout_p_arg; // ...unless its `dropout_p` is 0 (SDPA)
-    size_t num_args = 0;
-    size_t num_returns = 0;
-  };
-
   // Everything the region knows about one op overload, found with a single
   // hash lookup per intercepted op.
-  struct OpRecord : OpTraits {
-    OpRecord(const c10::OperatorHandle& handle, const OpTraits& traits)
-        : OpTraits(traits), op(handle) {}
+  struct OpRecord {
+    OpRecord(const c10::OperatorHandle& handle, std::shared_ptr<const OpFacts> op_facts)
+        : facts(std::move(op_facts)), op(handle) {}
+    // What the op's schema and tags say (op_facts.h), the same in every
+    // region and in the region engine.
+    std::shared_ptr<const OpFacts> facts;
     // Indexed by forward call index. Most ops run a few times per region:
     // their entries live in the record, not in a vector regrown per call.
     c10::SmallVector<Entry, 4> entries;

@@ -27,25 +27,38 @@ namespace {
 
 // One row of op_details(), the same keys for the region and the drop-in, so
 // a profile reads both engines alike.
-py::dict op_details_row(
-    const std::string& op,
-    int64_t saved,
-    int64_t dropped,
-    int64_t replayed,
-    int64_t saved_bytes,
-    int64_t dropped_bytes,
-    int64_t replay_ns,
-    const std::vector<int64_t>& replays_by_call) {
+py::dict op_details_row(const region::RegionOpSummary& s) {
   py::dict d;
-  d["op"] = op;
-  d["saved"] = saved;
-  d["dropped"] = dropped;
-  d["replayed"] = replayed;
-  d["saved_bytes"] = saved_bytes;
-  d["dropped_bytes"] = dropped_bytes;
-  d["replay_ns"] = replay_ns;
-  d["replays_by_call"] = replays_by_call;
+  d["op"] = s.op;
+  d["saved"] = s.saved;
+  d["dropped"] = s.dropped;
+  d["replayed"] = s.replayed;
+  d["saved_bytes"] = s.saved_bytes;
+  d["dropped_bytes"] = s.dropped_bytes;
+  d["replay_ns"] = s.replay_ns;
+  d["replays_by_call"] = s.replays_by_call;
   return d;
+}
+
+// A stats struct as a dict, keyed by its field list (csrc/core/stats.h).
+template <class Stats, size_t N>
+py::dict stats_dict(const Stats& stats, const StatField<Stats> (&fields)[N]) {
+  py::dict d;
+  for (const StatField<Stats>& field : fields) {
+    d[field.name] = stats.*field.member;
+  }
+  return d;
+}
+
+// [(name, description), ...] of a field list.
+template <class Stats, size_t N>
+std::vector<std::pair<std::string, std::string>> stat_fields(const StatField<Stats> (&fields)[N]) {
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(N);
+  for (const StatField<Stats>& field : fields) {
+    out.emplace_back(field.name, field.description);
+  }
+  return out;
 }
 
 } // namespace
@@ -88,17 +101,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "stats",
           [](const SelectiveCheckpoint& self) {
-            const auto& s = self.cache->stats();
-            py::dict d;
-            d["policy_calls"] = s.policy_calls;
-            d["saved_ops"] = s.saved_ops;
-            d["saved_bytes"] = s.saved_bytes;
-            d["recomputed_ops"] = s.recomputed_ops;
-            d["cache_hits"] = s.cache_hits;
-            d["invalidated_ops"] = s.invalidated_ops;
-            d["redirected_writes"] = s.redirected_writes;
-            d["recompute_ns"] = s.recompute_ns;
-            return d;
+            return stats_dict(self.cache->stats(), kDropinStatFields);
           })
       .def(
           "op_summary",
@@ -112,9 +115,10 @@ PYBIND11_MODULE(_C, m) {
       .def("op_details", [](const SelectiveCheckpoint& self) {
         py::list rows;
         for (const auto& s : self.cache->summary()) {
+          // The region's words: calls that made new tensors, their replays.
           rows.append(op_details_row(
-              s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes, s.dropped_bytes,
-              s.recompute_ns, s.recomputes_by_call));
+              {s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes, s.dropped_bytes,
+               s.recompute_ns, s.recomputes_by_call}));
         }
         return rows;
       });
@@ -178,28 +182,7 @@ PYBIND11_MODULE(_C, m) {
               py::gil_scoped_release no_gil;
               s = self.stats();
             }
-            py::dict d;
-            d["policy_calls"] = s.policy_calls;
-            d["saved_ops"] = s.saved_ops;
-            d["saved_bytes"] = s.saved_bytes;
-            d["dropped_ops"] = s.dropped_ops;
-            d["dropped_bytes"] = s.dropped_bytes;
-            d["held_bytes"] = s.held_bytes;
-            d["packed_kept"] = s.packed_kept;
-            d["packed_dropped"] = s.packed_dropped;
-            d["unpacked_original"] = s.unpacked_original;
-            d["replayed_ops"] = s.replayed_ops;
-            d["replay_ns"] = s.replay_ns;
-            d["replayed_cost"] = s.replayed_cost;
-            d["record_ns"] = s.record_ns;
-            d["memo_bytes"] = s.memo_bytes;
-            d["peak_memo_bytes"] = s.peak_memo_bytes;
-            d["memos_skipped"] = s.memos_skipped;
-            d["peak_held_bytes"] = s.peak_held_bytes;
-            d["budget_choice_ns"] = s.budget_choice_ns;
-            d["spaced_choices"] = s.spaced_choices;
-            d["first_rebuild_replayed_ops"] = s.first_rebuild_replayed_ops;
-            return d;
+            return stats_dict(s, region::kRegionStatFields);
           })
       .def(
           "set_replay_schedule",
@@ -273,12 +256,13 @@ PYBIND11_MODULE(_C, m) {
         }
         py::list rows;
         for (const auto& s : summary) {
-          rows.append(op_details_row(
-              s.op, s.saved, s.dropped, s.replayed, s.saved_bytes, s.dropped_bytes, s.replay_ns,
-              s.replays_by_call));
+          rows.append(op_details_row(s));
         }
         return rows;
       });
+  // The stats dicts' keys and what each counts, in dict order.
+  m.def("dropin_stat_fields", [] { return stat_fields(kDropinStatFields); });
+  m.def("region_stat_fields", [] { return stat_fields(region::kRegionStatFields); });
   m.def("unpack_saved", [](const SavedActivationHandle& handle) {
     py::gil_scoped_release no_gil;
     return region::unpack(handle.saved);

@@ -32,11 +32,18 @@
 #include <vector>
 
 #include "csrc/core/op_policy.h"
-#include "csrc/core/region/region.h"
+#include "csrc/core/stats.h"
+
+// The engine behind a SacContext (csrc/core/region/region.h): not part of the
+// API, so its header is not included here.
+namespace torch_sac::region {
+class Region;
+} // namespace torch_sac::region
 
 namespace torch_sac {
 
-// Counters of one region and its per-op breakdown (see region.h).
+// Counters of one region and its per-op breakdown (csrc/core/stats.h: each
+// counter with what it counts).
 using RegionStats = region::RegionStats;
 using RegionOpSummary = region::RegionOpSummary;
 
@@ -78,7 +85,9 @@ class RegionHandle {
 
  private:
   friend class SacContext;
-  explicit RegionHandle(std::shared_ptr<region::Region> region) : region_(std::move(region)) {}
+  // Region is incomplete here: shared_ptr's deleter is made in
+  // sac_context.cpp, where it is complete.
+  explicit RegionHandle(std::shared_ptr<region::Region> region);
   std::shared_ptr<region::Region> region_;
 };
 

@@ -4,7 +4,7 @@
 
 namespace torch_sac::region {
 
-void Memo::hold(c10::Storage storage, int32_t state, StreamStamp stream) {
+void Memo::hold(c10::Storage storage, StateId state, StreamStamp stream) {
   weak_.emplace(storage.getWeakStorageImpl());
   strong_ = std::move(storage);
   state_ = state;
@@ -19,14 +19,14 @@ void Memo::weaken() {
 void Memo::clear() {
   strong_ = c10::Storage();
   weak_.reset();
-  state_ = -1;
+  state_ = StateId::invalid();
 }
 
 bool Memo::gone() const {
   return !strong_ && (!weak_ || weak_->expired());
 }
 
-c10::Storage Memo::at_state(int32_t state) const {
+c10::Storage Memo::at_state(StateId state) const {
   if (state != state_ || current_version(version_) != 0) {
     return c10::Storage();
   }

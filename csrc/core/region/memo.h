@@ -13,13 +13,14 @@
 
 #include <optional>
 
+#include "csrc/core/region/ids.h"
 #include "csrc/core/region/stream_sync.h"
 
 namespace torch_sac::region {
 
 class Memo {
  public:
-  void hold(c10::Storage storage, int32_t state, StreamStamp stream);
+  void hold(c10::Storage storage, StateId state, StreamStamp stream);
   void weaken();
   void clear();
   bool strong() const {
@@ -33,7 +34,7 @@ class Memo {
   }
   // The storage at `state`, if kept, still alive and unmodified, usable on
   // the current stream; a null storage otherwise.
-  c10::Storage at_state(int32_t state) const;
+  c10::Storage at_state(StateId state) const;
   // Shared by every tensor handed out on this memo: backward code that
   // writes to one in place (a custom Function) bumps it, and the memo is
   // no longer used.
@@ -47,7 +48,7 @@ class Memo {
  private:
   c10::Storage strong_;
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak_;
-  int32_t state_ = -1;
+  StateId state_; // invalid: none
   StreamStamp stream_;
   c10::VariableVersion version_;
 };

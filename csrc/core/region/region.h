@@ -20,6 +20,11 @@
 // them again. Each holding ends as soon as no live saved activation can need
 // it; rebuilt tensors are kept only for unpacks still to come (memo.h).
 //
+// Parts: Region orchestrates three, each in its own header: the Tape
+// (tape.h: entries, op infos, scopes), the StorageTable (storage_table.h:
+// tracked storages, memos, live references) and the RebuildPlanner
+// (rebuild_planner.h: what a rebuild replays and keeps).
+//
 // Threads: recording is thread-local; pack, unpack and the end of a saved
 // activation may come from any thread and take the region's mutex, which is
 // never awaited while holding the GIL (see
@@ -43,13 +48,12 @@
 #include <vector>
 
 #include "csrc/core/interceptor.h"
-#include "csrc/core/numerics_state.h"
 #include "csrc/core/op_policy.h"
-#include "csrc/core/region/memo.h"
-#include "csrc/core/region/replay_budget.h"
+#include "csrc/core/region/rebuild_planner.h"
 #include "csrc/core/region/replay_schedule.h"
-#include "csrc/core/region/rng_snapshot.h"
-#include "csrc/core/region/tensor_geometry.h"
+#include "csrc/core/region/storage_table.h"
+#include "csrc/core/region/tape.h"
+#include "csrc/core/stats.h"
 
 namespace torch_sac::region {
 
@@ -73,8 +77,8 @@ struct SavedActivation {
   c10::VariableVersion version_counter; // of the packed tensor
   // Dropped: how to rebuild it.
   std::shared_ptr<Region> region;
-  int32_t storage = -1;
-  int32_t state = 0;
+  StorageId storage;
+  StateId state{0};
   TensorGeometry geometry;
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> original;
   // The region's backward pass this one was last unpacked in.
@@ -82,66 +86,17 @@ struct SavedActivation {
   // Tape length when packed: a rebuild of it replays only earlier entries.
   int32_t horizon = 0;
   // The nested region that saved it (the op's, not the producer's scope).
-  int32_t scope = 0;
+  ScopeId scope{0};
   // The autograd graph task of its last unpack: reading it again in the
   // same backward (ctx.saved_tensors twice) is not a new backward pass.
   mutable int unpacked_task = -1;
-};
-
-struct RegionStats {
-  int64_t policy_calls = 0;
-  int64_t saved_ops = 0; // ops whose new outputs the policy kept
-  int64_t saved_bytes = 0;
-  int64_t dropped_ops = 0; // ops whose new outputs the policy dropped
-  int64_t dropped_bytes = 0;
-  int64_t held_bytes = 0;        // copies of overwritten outside tensors
-  int64_t packed_kept = 0;       // saved tensors autograd holds as usual
-  int64_t packed_dropped = 0;    // saved tensors replaced by a reference
-  int64_t unpacked_original = 0; // references served by the still-live original
-  int64_t replayed_ops = 0;
-  int64_t replay_ns = 0;
-  // Under a replay budget: the replays' estimated cost (replay_cost.h),
-  // deterministic where replay_ns is measured.
-  int64_t replayed_cost = 0;
-  // Time the region spent recording in forward, outside the ops themselves
-  // (the interception overhead; the adapter's own dispatch is not included).
-  int64_t record_ns = 0;
-  // Rebuilt tensors the region holds right now for unpacks still to come,
-  // and the most it held at the end of a replay.
-  int64_t memo_bytes = 0;
-  int64_t peak_memo_bytes = 0;
-  // Rebuilt tensors autograd still needed that the replay budget did not let
-  // the region keep: each is rebuilt again when unpacked.
-  int64_t memos_skipped = 0;
-  // With a budget that counts saved outputs: the most the region held at the
-  // end of a replay, rebuilt tensors plus live outputs the policy kept.
-  int64_t peak_held_bytes = 0;
-  // Time the replay budget spent choosing what to keep, and how many of its
-  // choices used the spaced heuristic rather than the optimal reversal of a
-  // chain (replay_budget.h).
-  int64_t budget_choice_ns = 0;
-  int64_t spaced_choices = 0;
-  // Ops the first rebuild of the last backward pass replayed (a peak plan
-  // checks that its first sweep covered the whole tape).
-  int64_t first_rebuild_replayed_ops = 0;
-};
-
-struct RegionOpSummary {
-  std::string op;
-  int64_t saved = 0;    // calls whose new outputs were kept
-  int64_t dropped = 0;  // calls whose new outputs were dropped
-  int64_t replayed = 0; // replays in backward
-  int64_t saved_bytes = 0;
-  int64_t dropped_bytes = 0;
-  int64_t replay_ns = 0;
-  std::vector<int64_t> replays_by_call; // replays of each forward call, by call index
 };
 
 class Region final : public OpHandler, public std::enable_shared_from_this<Region> {
  public:
   // No replay budget: every rebuilt tensor autograd will unpack later in
   // this backward is kept until then.
-  static constexpr int64_t kNoReplayBudget = -1;
+  static constexpr int64_t kNoReplayBudget = region::kNoReplayBudget;
   // `budget_counts_saved`: the replay budget bounds rebuilt tensors plus the
   // outputs the policy kept in forward that are still alive, so the room a
   // kept checkpoint leaves when backward is past it goes to rebuilds (a
@@ -204,180 +159,54 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void set_storage_restorer(StorageRestorer restorer);
 
  private:
-  // A tensor argument of a replayable entry.
-  struct ArgSlot {
-    uint32_t arg = 0;
-    int32_t element = -1; // index in a list argument, -1 for a Tensor argument
-    // Either a tensor the region holds (from outside or from a SAVE op) with
-    // its version when used...
-    at::Tensor held;
-    uint32_t version = 0;
-    // ...or a reference into a storage the region can replay.
-    int32_t storage = -1;
-    int32_t state = 0;
-    TensorGeometry geometry;
-  };
+  // tests/cpp/test_op_facts.cpp reads what the region recorded.
+  friend struct RegionTestAccess;
 
-  struct Entry {
-    c10::OperatorHandle op;
-    int32_t op_index;       // into ops_
-    int64_t call_index = 0; // among the op's calls in the region
-    bool replayable = false;
-    std::vector<c10::IValue> args; // tensors filled in from slots on replay
-    std::vector<ArgSlot> slots;
-    std::vector<uint32_t> scratch_args;                // copies of overwritten outside tensors
-    std::vector<std::pair<int32_t, int32_t>> produced; // (output position, storage)
-    std::vector<int32_t> writes;                       // region storages it wrote to
-    std::optional<RngSnapshot> rng;
-    NumericsState numerics; // default dtype etc. when recorded
-    double replay_cost = 0; // estimated_replay_cost, when a budget weighs it
-    int32_t scope = 0;      // the nested region it was recorded in (scope_parents_)
-  };
-
-  struct StorageRecord {
-    // Pins the StorageImpl's address so the lookup key cannot be reused.
-    c10::weak_intrusive_ptr<c10::StorageImpl> identity;
-    c10::VariableVersion version_counter;
-    int64_t nbytes = 0;
-    int32_t producer = -1;          // -1: from outside the region
-    int32_t producer_output = 0;    // among the producer's output tensors
-    bool replayable = false;        // produced by a RECOMPUTE op, never tainted
-    std::vector<int32_t> mutations; // entries that wrote to it, in order
-    // Last version seen, and whether a recorded write came after it: its
-    // version bump happens above the interceptor, after the op returns (and
-    // not at all for BatchNorm's running statistics), so the next sighting
-    // may be one higher, but no more.
-    uint32_t last_version = 0;
-    bool recorded_write_pending = false;
-    // Dropped activations of this storage alive, and those of them not yet
-    // unpacked in this backward pass.
-    int32_t live_refs = 0;
-    int32_t pending_unpacks = 0;
-    Memo memo; // a rebuilt copy
-    // Scopes other than the producer's whose entries read it (nested
-    // regions only): a rebuild keeps it for those scopes' backward.
-    std::vector<int32_t> reader_scopes;
-  };
-
-  struct OpInfo {
-    std::string name;
-    bool ignored = false;
-    std::vector<size_t> written_args; // schema arguments marked (a!)
-    bool makes_new_tensors = false;   // some return is not an alias
-    bool draws_random = false;        // RngSnapshot::draws_random
-    bool never_replay = false;        // collectives
-    int64_t calls = 0;
-    int64_t saved = 0;
-    int64_t dropped = 0;
-    int64_t replayed = 0;
-    int64_t saved_bytes = 0;
-    int64_t dropped_bytes = 0;
-    int64_t replay_ns = 0;
-    std::vector<int64_t> replays_by_call;
-    std::vector<int64_t> saved_calls; // call indices whose new outputs were kept
-  };
-
-  // A rebuilt tensor's key by index into ops_ (op names are made when
-  // asked for: a big model rebuilds thousands of tensors).
-  struct ExecutedKey {
-    int32_t op_index;
-    int64_t call_index;
-    int32_t output;
-  };
-  struct ExecutedStep {
-    ExecutedKey unpacked;
-    std::vector<ExecutedKey> keep;
-    std::vector<ExecutedKey> release;
-  };
+  // Recording one op (handle(), region.cpp), in the order it runs. Before
+  // the op runs, with the mutex held:
+  struct Writes; // what the op writes, and what replay needs kept of it
+  // Whether the op can be recorded at all (a collective, a list write or a
+  // tensor the region cannot rebuild: runs as if outside the region).
+  static bool recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs);
+  // Inputs the region tracks are met again: notes writes it did not see.
+  void observe_inputs(c10::ArrayRef<c10::IValue> inputs);
+  // The storages the op writes; copies of the ones replay cannot rebuild,
+  // taken before the op overwrites them.
+  Writes prepare_writes(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs, bool recordable);
+  // The op ran and the policy decided (without the mutex). Then, with it:
+  // the storages of its new outputs, tracked; returns their bytes (-1: none).
+  int64_t track_outputs(
+      Entry& entry,
+      EntryId index,
+      c10::ArrayRef<c10::IValue> inputs,
+      c10::ArrayRef<c10::IValue> outputs,
+      bool save);
+  // The policy's decision, in the stats and the op's counts.
+  void count_decision(OpInfo& info, int64_t call_index, bool save, int64_t new_bytes);
+  // What a replay of the entry needs: its arguments, RNG and numerics.
+  void record_for_replay(
+      Entry& entry,
+      c10::ArrayRef<c10::IValue> inputs,
+      const std::vector<c10::IValue>& overwritten,
+      std::optional<RngSnapshot> rng);
 
   SavedActivation pack_locked(const at::Tensor& t);
   void forget_locked(const SavedActivation& saved);
-  OpInfo& info_for(const c10::OperatorHandle& op, int32_t* index);
   Policy decide(const OpCall& call, const std::string& op_name);
-  int32_t find_storage(const at::Tensor& t) const;
-  int32_t track_storage(const at::Tensor& t, int32_t producer, int32_t output, bool replayable);
-  void observe(int32_t storage, const at::Tensor& t);
-  void record_args(
-      Entry& entry,
-      c10::ArrayRef<c10::IValue> inputs,
-      const std::vector<c10::IValue>& overwritten);
-  // `t` is about to be written by a recorded op: held arguments of earlier
-  // entries that read its storage get a copy of the value they read.
-  void preserve_held_before_write(const at::Tensor& t);
 
   // Replay (replay.cpp); called with mutex_ held.
   //
-  // A rebuild replays, in tape order, exactly the entries the storage
-  // depends on that no memo covers, and frees each intermediate after its
-  // last use in that replay, as the forward did: peak memory stays that of
-  // re-running the forward of the needed ops, and each entry runs once.
-  struct ReplayPlan {
-    std::vector<int32_t> entries;                // sorted before running
-    std::unordered_map<int32_t, int32_t> states; // storage -> state to rebuild
-    // Storages a memo covers (pinned for the replay), with their state.
-    std::unordered_map<int32_t, std::pair<c10::Storage, int32_t>> memos;
-  };
-  ReplayPlan plan_rebuild(int32_t storage, int32_t state) const;
-  // `scope`: of the saved activation it is for (nesting_allows).
-  c10::Storage materialize(int32_t storage, int32_t state, int32_t scope);
+  // Rebuilds `storage` at `state` for a saved activation of `scope`: runs
+  // the planner's plan in tape order, each entry once, freeing each
+  // intermediate after its last use in the plan and keeping what the
+  // planner allows.
+  c10::Storage materialize(StorageId storage, StateId state, ScopeId scope);
   // A held argument must still be what the op read: same version, and its
   // storage not freed or shrunk since (FSDP2 frees unsharded parameters).
   void check_held(const ArgSlot& slot, const Entry& consumer);
   torch::jit::Stack replay_entry(
-      int32_t entry_index,
+      EntryId entry_index,
       c10::function_ref<at::Tensor(const ArgSlot&)> resolve);
-  bool worth_memoising(int32_t storage, int32_t state) const;
-  // The storages `plan` rebuilds that autograd will unpack later, other
-  // than `target`, in the order the plan makes them.
-  std::vector<int32_t> memo_candidates(const ReplayPlan& plan, int32_t target) const;
-  // Which candidates this rebuild may keep: the schedule's step, the replay
-  // budget's choice (replay_budget.h), or all of them (nullopt). Counts the
-  // rebuild and records it in executed_.
-  std::optional<std::unordered_set<int32_t>> memos_allowed(
-      const ReplayPlan& plan,
-      int32_t target,
-      int32_t scope);
-  // Nested regions drop their own tensors again, as nested checkpoints do:
-  // a rebuild for a tensor saved in scope T keeps a candidate only if it was
-  // made or read in T or a scope enclosing T. The others (a nested region's
-  // internals met on the way) are rebuilt when that region's backward
-  // unpacks them: multiple recomputation of the inner ops.
-  bool nesting_allows(int32_t candidate, int32_t scope) const;
-  bool encloses(int32_t outer, int32_t inner) const;
-  std::unordered_set<int32_t> memos_within_budget(
-      const ReplayPlan& plan,
-      int32_t target,
-      const std::vector<int32_t>& candidates);
-  std::unordered_set<int32_t> memos_scheduled(
-      int32_t target,
-      const std::vector<int32_t>& candidates,
-      size_t rebuild) const;
-  ExecutedKey executed_key_of(int32_t storage) const;
-  // Storages by the key a schedule names them with (op name, call index,
-  // output): a recorded schedule of a large model names thousands per step.
-  class StoragesByKey {
-   public:
-    StoragesByKey(const Region& region, const std::vector<int32_t>& storages);
-    int32_t find(const TensorKey& key) const; // -1: not among them
-
-   private:
-    std::map<std::tuple<int32_t, int64_t, int32_t>, int32_t> by_key_;
-    std::unordered_map<std::string, int32_t> op_index_;
-  };
-  TensorKey key_of(int32_t storage) const;
-  std::string describe_key(const TensorKey& key) const;
-  int64_t strong_memo_bytes() const;
-  // What the replay budget bounds: rebuilt tensors held, plus (when it
-  // counts them) live outputs the policy kept.
-  int64_t budgeted_bytes() const;
-  // After a rebuild: the schedule's releases, or under a replay budget, lets
-  // go of other rebuilt tensors until what the region holds fits (the one
-  // just rebuilt for autograd stays held). Records what it released.
-  void release_after_rebuild(int32_t target);
-  void memoise(int32_t storage, const at::Tensor& t, int32_t state);
-  // Weakens the memos nothing in this pass will unpack again; forgets the
-  // weak ones whose storage died.
-  void release_memos();
   // An activation unpacked a second time: backward runs again
   // (retain_graph=True); every live one is pending again.
   void start_new_pass();
@@ -390,36 +219,19 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<OpPolicy>> policies_; // outermost first
-  // Nested regions entered so far, by id (0: this region): each one's
-  // enclosing scope (-1 for 0), and the one recording now.
-  std::vector<int32_t> scope_parents_{-1};
-  int32_t scope_ = 0;
   bool allow_cache_entry_mutation_;
-  const int64_t replay_budget_;
-  const bool budget_counts_saved_;
-  const double checkpoint_share_;
+  const bool has_budget_;
   // False when the region was entered with grad off or in inference mode:
   // no graph is built, so nothing is recorded.
   const bool records_;
   bool open_ = true;
-  std::vector<Entry> entries_;
-  std::vector<StorageRecord> storages_;
-  std::unordered_map<const c10::StorageImpl*, int32_t> storage_index_;
-  // Held arguments by the storage they hold: (entry, slot). The held alias
-  // keeps the storage alive, so the address is not reused while listed.
-  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<int32_t, int32_t>>> held_slots_;
-  std::vector<OpInfo> ops_;
-  std::unordered_map<c10::OperatorHandle, int32_t> op_index_;
-  std::vector<int32_t> memoised_;
-  int64_t live_dropped_ = 0;                 // SavedActivations referring to this region
-  int64_t pass_ = 0;                         // backward passes through the region, from 0
-  std::map<int32_t, int32_t> live_horizons_; // horizon -> live dropped activations
-  size_t released_from_ = SIZE_MAX;          // entries from here on are released
-  std::optional<ReplaySchedule> schedule_;
-  std::vector<ExecutedStep> executed_; // this backward pass's rebuilds
+  RegionStats stats_;
+  // The parts (declared before the planner, which refers to them).
+  Tape tape_;              // what forward recorded (tape.h)
+  StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)
+  RebuildPlanner planner_; // what a rebuild replays and keeps (rebuild_planner.h)
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
-  RegionStats stats_;
 };
 
 // The unpack hook: the kept tensor (version-checked as autograd would) or the

@@ -6,16 +6,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <sstream>
-#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
 #include "csrc/core/region/region.h"
-#include "csrc/core/region/replay_budget.h"
 #include "csrc/core/replay_guard.h"
 #include "csrc/core/tensor_version.h"
 
@@ -69,12 +66,12 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
       "failed to compute its gradient.");
   const int task = torch::autograd::get_current_graph_task_id();
   const bool same_backward = task >= 0 && task == saved.unpacked_task;
-  if (saved.unpacked_pass == pass_ && !same_backward) {
+  if (saved.unpacked_pass == storages_.pass() && !same_backward) {
     start_new_pass(); // backward runs again (retain_graph=True)
   }
-  if (saved.unpacked_pass != pass_) {
-    saved.unpacked_pass = pass_;
-    --record.pending_unpacks;
+  if (saved.unpacked_pass != storages_.pass()) {
+    saved.unpacked_pass = storages_.pass();
+    storages_.mark_unpacked(saved.storage);
   }
   saved.unpacked_task = task;
   if (saved.original) {
@@ -86,8 +83,8 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   }
   // The storage itself may still be alive (another region, or the user,
   // kept a different tensor of it) and unchanged since it was saved.
-  if (c10::Storage alive(record.identity.lock()); alive &&
-      record.mutations.size() == static_cast<size_t>(saved.state) && saved.geometry.fits(alive)) {
+  if (c10::Storage alive(record.identity.lock());
+      alive && record.mutations.next_id() == saved.state && saved.geometry.fits(alive)) {
     ++stats_.unpacked_original;
     return saved.geometry.view_of(alive);
   }
@@ -106,102 +103,46 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   }
   at::Tensor result = saved.geometry.view_of(base);
   result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
-  release_memos();
+  storages_.release_memos();
   return result;
 }
 
 void Region::start_new_pass() {
-  ++pass_;
-  executed_.clear();
-  for (StorageRecord& record : storages_) {
-    record.pending_unpacks = record.live_refs;
-  }
-  for (int32_t s : memoised_) {
-    storages_[s].memo.clear();
-  }
-  memoised_.clear();
+  storages_.start_new_pass();
+  planner_.start_new_pass();
 }
 
-Region::ReplayPlan Region::plan_rebuild(int32_t storage, int32_t state) const {
-  ReplayPlan plan;
-  std::unordered_set<int32_t> planned;
-  struct Need {
-    int32_t storage;
-    int32_t state;
-    bool written; // the entry writes to it: never hand it a memo
-  };
-  std::vector<Need> needed{{storage, state, false}};
-  auto add_entry = [&](int32_t e) {
-    if (planned.insert(e).second) {
-      plan.entries.push_back(e);
-      const Entry& entry = entries_[e];
-      for (const ArgSlot& slot : entry.slots) {
-        if (slot.storage >= 0) {
-          const bool written = std::find(entry.writes.begin(), entry.writes.end(), slot.storage) !=
-              entry.writes.end();
-          needed.push_back({slot.storage, slot.state, written});
-        }
-      }
-    }
-  };
-  // A worklist, not recursion: chains of thousands of ops are common.
-  while (!needed.empty()) {
-    const auto [s, st, written] = needed.back();
-    needed.pop_back();
-    if (!written) {
-      c10::Storage memo = storages_[s].memo.at_state(st);
-      if (memo) {
-        plan.memos.try_emplace(s, std::move(memo), st);
-        continue;
-      }
-    }
-    const StorageRecord& record = storages_[s];
-    auto [it, inserted] = plan.states.try_emplace(s, 0);
-    if (inserted) {
-      TORCH_INTERNAL_ASSERT(record.producer >= 0, "torch_sac: no op to replay for a storage");
-      add_entry(record.producer);
-    }
-    // In tape order a consumer sees the storage at the state it recorded:
-    // the writes before it are replayed before it, the later ones after.
-    for (int32_t k = it->second; k < st; ++k) {
-      add_entry(record.mutations[k]);
-    }
-    it->second = std::max(it->second, st);
-  }
-  std::sort(plan.entries.begin(), plan.entries.end());
-  return plan;
-}
-
-c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) {
+c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope) {
   if (c10::Storage memo = storages_[storage].memo.at_state(state)) {
     return memo;
   }
-  const ReplayPlan plan = plan_rebuild(storage, state);
+  const ReplayPlan plan = planner_.plan(storage, state);
   // The last plan entry that uses each rebuilt storage.
-  std::unordered_map<int32_t, int32_t> last_use;
-  for (int32_t e : plan.entries) {
-    for (const ArgSlot& slot : entries_[e].slots) {
-      if (slot.storage >= 0 && plan.states.count(slot.storage)) {
+  std::unordered_map<StorageId, EntryId> last_use;
+  for (EntryId e : plan.entries) {
+    for (const ArgSlot& slot : tape_.entries[e].slots) {
+      if (slot.storage.valid() && plan.states.count(slot.storage)) {
         last_use[slot.storage] = e;
       }
     }
-    for (const auto& [position, s] : entries_[e].produced) {
+    for (const auto& [position, s] : tape_.entries[e].produced) {
       if (plan.states.count(s)) {
         last_use.try_emplace(s, e);
       }
     }
   }
-  const std::optional<std::unordered_set<int32_t>> allowed = memos_allowed(plan, storage, scope);
-  if (executed_.size() == 1) {
+  const std::optional<std::unordered_set<StorageId>> allowed = planner_.memos_allowed(
+      plan, storage, scope);
+  if (planner_.rebuilds() == 1) {
     stats_.first_rebuild_replayed_ops = static_cast<int64_t>(plan.entries.size());
   }
-  auto may_keep = [&](int32_t s, int32_t st) {
-    return worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
+  auto may_keep = [&](StorageId s, StateId st) {
+    return storages_.worth_memoising(s, st) && (!allowed || allowed->count(s) > 0);
   };
   // Rebuilt storages with their current state.
-  std::unordered_map<int32_t, std::pair<at::Tensor, int32_t>> working;
-  for (int32_t e : plan.entries) {
-    const Entry& entry = entries_[e];
+  std::unordered_map<StorageId, std::pair<at::Tensor, StateId>> working;
+  for (EntryId e : plan.entries) {
+    const Entry& entry = tape_.entries[e];
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
       if (slot.held.defined()) {
         check_held(slot, entry);
@@ -214,7 +155,7 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
       auto m = plan.memos.find(slot.storage);
       TORCH_INTERNAL_ASSERT(
           m != plan.memos.end() && m->second.second == slot.state,
-          "torch_sac: replay plan missed a storage ", entries_[e].op.operator_name());
+          "torch_sac: replay plan missed a storage ", tape_.entries[e].op.operator_name());
       return slot.geometry.view_of(m->second.first);
     };
     const torch::jit::Stack outputs = replay_entry(e, resolve);
@@ -223,32 +164,32 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
     for (const c10::IValue& out : outputs) {
       for_each_tensor(out, [&](const at::Tensor& t) {
         if (produced != entry.produced.end() && produced->first == position) {
-          const int32_t s = produced->second;
+          const StorageId s = produced->second;
           if (plan.states.count(s)) {
-            working[s] = {t, 0};
-          } else if (may_keep(s, 0)) {
+            working[s] = {t, StateId(0)};
+          } else if (may_keep(s, StateId(0))) {
             // A sibling backward will soon need too (layer norm's mean, rstd).
-            memoise(s, t, 0);
+            storages_.memoise(s, t, StateId(0));
           }
           ++produced;
         }
         ++position;
       });
     }
-    for (int32_t s : entry.writes) {
+    for (StorageId s : entry.writes) {
       auto w = working.find(s);
       if (w != working.end()) {
-        ++w->second.second;
+        w->second.second = w->second.second.next();
       }
     }
     // Intermediates past their last use go now; ones autograd will unpack
     // later in this backward stay as memos.
     for (auto it = working.begin(); it != working.end();) {
-      const int32_t s = it->first;
+      const StorageId s = it->first;
       if (s != storage && last_use.at(s) == e) {
         if (may_keep(s, it->second.second)) {
-          memoise(s, it->second.first, it->second.second);
-        } else if (worth_memoising(s, it->second.second)) {
+          storages_.memoise(s, it->second.first, it->second.second);
+        } else if (storages_.worth_memoising(s, it->second.second)) {
           ++stats_.memos_skipped;
         }
         it = working.erase(it);
@@ -262,381 +203,23 @@ c10::Storage Region::materialize(int32_t storage, int32_t state, int32_t scope) 
       target != working.end() && target->second.second == state,
       "torch_sac: replay did not rebuild the storage at the state autograd saved");
   const at::Tensor result = std::move(target->second.first);
-  memoise(storage, result, state);
-  release_after_rebuild(storage);
-  stats_.peak_memo_bytes = std::max(stats_.peak_memo_bytes, strong_memo_bytes());
-  if (budget_counts_saved_) {
-    stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, budgeted_bytes());
+  storages_.memoise(storage, result, state);
+  planner_.release_after_rebuild(storage);
+  stats_.peak_memo_bytes = std::max(stats_.peak_memo_bytes, storages_.strong_memo_bytes());
+  if (planner_.budget_counts_saved()) {
+    stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, planner_.budgeted_bytes());
   }
   return result.storage();
 }
 
-void Region::release_after_rebuild(int32_t target) {
-  if (!schedule_ && replay_budget_ == kNoReplayBudget) {
-    return;
-  }
-  std::vector<int32_t> held;
-  for (int32_t s : memoised_) {
-    if (s != target && storages_[s].memo.strong()) {
-      held.push_back(s);
-    }
-  }
-  std::vector<int32_t> released;
-  if (schedule_) {
-    const size_t rebuild = executed_.size() - 1;
-    const StoragesByKey by_key(*this, held);
-    for (const TensorKey& key : (*schedule_)[rebuild].release) {
-      const int32_t found = by_key.find(key);
-      TORCH_CHECK_VALUE(
-          found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " releases ",
-          describe_key(key),
-          ", which the region does not hold at that point (never kept, or already unpacked "
-          "for the last time).");
-      released.push_back(found);
-    }
-  } else {
-    // Earlier targets still waiting for unpacks are held too: let go of the
-    // earliest in the tape first (backward reaches them last); one still
-    // alive elsewhere is served from there, the others are rebuilt.
-    std::sort(held.begin(), held.end(), [&](int32_t a, int32_t b) {
-      return storages_[a].producer < storages_[b].producer;
-    });
-    int64_t bytes = budgeted_bytes();
-    for (int32_t s : held) {
-      if (bytes <= replay_budget_) {
-        break;
-      }
-      bytes -= storages_[s].memo.strong_bytes();
-      released.push_back(s);
-    }
-  }
-  for (int32_t s : released) {
-    storages_[s].memo.weaken();
-    ++stats_.memos_skipped;
-    executed_.back().release.push_back(executed_key_of(s));
-  }
-}
-
-std::vector<int32_t> Region::memo_candidates(const ReplayPlan& plan, int32_t target) const {
-  std::vector<int32_t> candidates;
-  for (int32_t e : plan.entries) {
-    for (const auto& [position, s] : entries_[e].produced) {
-      const auto rebuilt = plan.states.find(s);
-      const int32_t state = rebuilt == plan.states.end() ? 0 : rebuilt->second;
-      if (s != target && worth_memoising(s, state)) {
-        candidates.push_back(s);
-      }
-    }
-  }
-  return candidates;
-}
-
-bool Region::encloses(int32_t outer, int32_t inner) const {
-  for (int32_t s = inner; s >= 0; s = scope_parents_[s]) {
-    if (s == outer) {
-      return true;
-    }
-  }
-  return false;
-}
-
-bool Region::nesting_allows(int32_t candidate, int32_t scope) const {
-  const StorageRecord& record = storages_[candidate];
-  if (encloses(entries_[record.producer].scope, scope)) {
-    return true;
-  }
-  return std::any_of(record.reader_scopes.begin(), record.reader_scopes.end(), [&](int32_t reader) {
-    return encloses(reader, scope);
-  });
-}
-
-std::optional<std::unordered_set<int32_t>> Region::memos_allowed(
-    const ReplayPlan& plan,
-    int32_t target,
-    int32_t scope) {
-  std::vector<int32_t> candidates = memo_candidates(plan, target);
-  const size_t rebuild = executed_.size();
-  std::optional<std::unordered_set<int32_t>> allowed;
-  if (!schedule_ && scope_parents_.size() > 1) {
-    const auto nested = std::remove_if(candidates.begin(), candidates.end(), [&](int32_t s) {
-      return !nesting_allows(s, scope);
-    });
-    if (nested != candidates.end()) {
-      candidates.erase(nested, candidates.end());
-      if (replay_budget_ == kNoReplayBudget) {
-        allowed.emplace(candidates.begin(), candidates.end());
-      }
-    }
-  }
-  if (schedule_) {
-    allowed = memos_scheduled(target, candidates, rebuild);
-  } else if (replay_budget_ != kNoReplayBudget) {
-    const auto start = std::chrono::steady_clock::now();
-    allowed = memos_within_budget(plan, target, candidates);
-    stats_.budget_choice_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now() - start)
-                                   .count();
-  }
-  ExecutedStep step{executed_key_of(target), {}, {}};
-  for (int32_t s : candidates) {
-    if (!allowed || allowed->count(s)) {
-      step.keep.push_back(executed_key_of(s));
-    }
-  }
-  executed_.push_back(std::move(step));
-  return allowed;
-}
-
-Region::ExecutedKey Region::executed_key_of(int32_t storage) const {
-  const StorageRecord& record = storages_[storage];
-  const Entry& producer = entries_[record.producer];
-  return {producer.op_index, producer.call_index, record.producer_output};
-}
-
-Region::StoragesByKey::StoragesByKey(const Region& region, const std::vector<int32_t>& storages) {
-  for (int32_t s : storages) {
-    const ExecutedKey k = region.executed_key_of(s);
-    by_key_.emplace(std::make_tuple(k.op_index, k.call_index, k.output), s);
-  }
-  for (size_t i = 0; i < region.ops_.size(); ++i) {
-    op_index_.emplace(region.ops_[i].name, static_cast<int32_t>(i));
-  }
-}
-
-int32_t Region::StoragesByKey::find(const TensorKey& key) const {
-  const auto op = op_index_.find(key.op);
-  if (op == op_index_.end()) {
-    return -1;
-  }
-  const auto found = by_key_.find(std::make_tuple(op->second, key.call_index, key.output));
-  return found == by_key_.end() ? -1 : found->second;
-}
-
-TensorKey Region::key_of(int32_t storage) const {
-  const ExecutedKey key = executed_key_of(storage);
-  return {ops_[key.op_index].name, key.call_index, key.output};
-}
-
-std::string Region::describe_key(const TensorKey& key) const {
-  std::ostringstream out;
-  out << key.op << " (call " << key.call_index << ", output " << key.output << ")";
-  return out.str();
-}
-
-std::unordered_set<int32_t> Region::memos_scheduled(
-    int32_t target,
-    const std::vector<int32_t>& candidates,
-    size_t rebuild) const {
-  TORCH_CHECK_VALUE(
-      rebuild < schedule_->size(), "torch_sac: the replay schedule has ", schedule_->size(),
-      " rebuilds, but backward needs "
-      "another one, to rebuild ",
-      describe_key(key_of(target)),
-      ". The schedule was made for "
-      "another program, other inputs or another policy: record it again "
-      "(region.replay_schedule()) from a run of this one.");
-  const RebuildStep& step = (*schedule_)[rebuild];
-  const TensorKey unpacked = key_of(target);
-  TORCH_CHECK_VALUE(
-      step.unpacked == unpacked, "torch_sac: replay schedule rebuild #", rebuild, " is for ",
-      describe_key(step.unpacked), ", but backward unpacked ", describe_key(unpacked),
-      " there. The schedule was made for "
-      "another program, other inputs or another policy, or it keeps tensors a different "
-      "schedule keeps; or backward runs in another order or in several passes than the "
-      "recorded run (a schedule covers one pass, the last one the region ran; a second "
-      "backward or autograd.grad reading the same tensors starts a new pass): record it "
-      "again (region.replay_schedule()) from a run of this one.");
-  const StoragesByKey by_key(*this, candidates);
-  std::unordered_set<int32_t> allowed;
-  for (const TensorKey& key : step.keep) {
-    const int32_t found = by_key.find(key);
-    TORCH_CHECK_VALUE(
-        found >= 0, "torch_sac: replay schedule rebuild #", rebuild, " (for ",
-        describe_key(unpacked), ") keeps ", describe_key(key),
-        ", which this rebuild does not make, or which "
-        "autograd will not unpack again. A rebuild can keep only the tensors it rebuilds "
-        "on its way that backward still needs.");
-    allowed.insert(found);
-  }
-  return allowed;
-}
-
-std::unordered_set<int32_t> Region::memos_within_budget(
-    const ReplayPlan& plan,
-    int32_t target,
-    const std::vector<int32_t>& candidates) {
-  const std::unordered_set<int32_t> is_candidate(candidates.begin(), candidates.end());
-  const auto m = static_cast<int32_t>(plan.entries.size());
-  // Where each storage the plan rebuilds is made and last read in it.
-  std::unordered_map<int32_t, int32_t> made_at;
-  std::unordered_map<int32_t, int32_t> last_read_at;
-  std::vector<double> cost_through(m);
-  double cost = 0;
-  for (int32_t i = 0; i < m; ++i) {
-    const Entry& entry = entries_[plan.entries[i]];
-    cost += entry.replay_cost;
-    cost_through[i] = cost;
-    for (const ArgSlot& slot : entry.slots) {
-      if (!slot.held.defined() && made_at.count(slot.storage)) {
-        last_read_at[slot.storage] = i;
-      }
-    }
-    for (const auto& [position, s] : entry.produced) {
-      made_at.emplace(s, i);
-    }
-  }
-  // Cuts: after op p, the storages made at or before p and read after it.
-  // A cut is a checkpoint only if all of them are candidates (the returned
-  // tensor is held anyway and costs nothing more).
-  std::vector<std::vector<int32_t>> made(m), done(m);
-  for (const auto& [s, last] : last_read_at) {
-    made[made_at.at(s)].push_back(s);
-    done[last].push_back(s);
-  }
-  auto bytes_of = [&](int32_t s) { return s == target ? int64_t{0} : storages_[s].nbytes; };
-  auto unkeepable = [&](int32_t s) { return s != target && !is_candidate.count(s) ? 1 : 0; };
-  std::vector<ReplayCut> cuts;
-  std::vector<int32_t> cut_after;
-  int64_t crossing_bytes = 0;
-  int32_t crossing = 0;
-  int32_t crossing_unkeepable = 0;
-  for (int32_t p = 0; p + 1 < m; ++p) {
-    for (int32_t s : made[p]) {
-      crossing_bytes += bytes_of(s);
-      ++crossing;
-      crossing_unkeepable += unkeepable(s);
-    }
-    for (int32_t s : done[p]) {
-      crossing_bytes -= bytes_of(s);
-      --crossing;
-      crossing_unkeepable -= unkeepable(s);
-    }
-    if (crossing > 0 && crossing_unkeepable == 0) {
-      cuts.push_back({cost_through[p], crossing_bytes});
-      cut_after.push_back(p);
-    }
-  }
-  // The tensor being rebuilt is returned to autograd, and counts.
-  const int64_t free_bytes = replay_budget_ - budgeted_bytes() - storages_[target].nbytes;
-  std::unordered_set<int32_t> allowed;
-  // What the unpacks right after this one need: the candidates past the
-  // last cut.
-  int64_t tail_bytes = 0;
-  for (int32_t s : candidates) {
-    if (cut_after.empty() || made_at.at(s) > cut_after.back()) {
-      tail_bytes += storages_[s].nbytes;
-    }
-  }
-  const CheckpointChoice choice = choose_checkpoints(
-      cuts, cost, free_bytes, tail_bytes, checkpoint_share_);
-  stats_.spaced_choices += choice.spaced ? 1 : 0;
-  const std::vector<size_t>& chosen = choice.cuts;
-  if (!chosen.empty()) {
-    // Sweep again, collecting what crosses each chosen cut.
-    std::unordered_set<int32_t> live;
-    size_t next = 0;
-    for (int32_t p = 0; p + 1 < m && next < chosen.size(); ++p) {
-      live.insert(made[p].begin(), made[p].end());
-      for (int32_t s : done[p]) {
-        live.erase(s);
-      }
-      if (p == cut_after[chosen[next]]) {
-        allowed.insert(live.begin(), live.end());
-        ++next;
-      }
-    }
-    allowed.erase(target);
-  }
-  int64_t used = 0;
-  for (int32_t s : allowed) {
-    used += storages_[s].nbytes;
-  }
-  // The tail autograd unpacks next, as far back as the rest allows.
-  for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
-    if (allowed.count(*it)) {
-      continue;
-    }
-    if (used + storages_[*it].nbytes > free_bytes) {
-      break;
-    }
-    allowed.insert(*it);
-    used += storages_[*it].nbytes;
-  }
-  // Empty tensors cost nothing to keep.
-  for (int32_t s : candidates) {
-    if (storages_[s].nbytes == 0) {
-      allowed.insert(s);
-    }
-  }
-  return allowed;
-}
-
 void Region::set_replay_schedule(ReplaySchedule schedule) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK_VALUE(
-      replay_budget_ == kNoReplayBudget,
-      "torch_sac: a region takes a replay_budget or a replay_schedule, not both: the schedule "
-      "already says what each rebuild keeps.");
-  schedule_ = std::move(schedule);
+  planner_.set_schedule(std::move(schedule));
 }
 
 ReplaySchedule Region::executed_schedule() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto named = [&](const ExecutedKey& key) {
-    return TensorKey{ops_[key.op_index].name, key.call_index, key.output};
-  };
-  ReplaySchedule schedule;
-  schedule.reserve(executed_.size());
-  for (const ExecutedStep& step : executed_) {
-    RebuildStep named_step{named(step.unpacked), {}, {}};
-    for (const ExecutedKey& key : step.keep) {
-      named_step.keep.push_back(named(key));
-    }
-    for (const ExecutedKey& key : step.release) {
-      named_step.release.push_back(named(key));
-    }
-    schedule.push_back(std::move(named_step));
-  }
-  return schedule;
-}
-
-int64_t Region::strong_memo_bytes() const {
-  int64_t bytes = 0;
-  for (int32_t s : memoised_) {
-    bytes += storages_[s].memo.strong_bytes();
-  }
-  return bytes;
-}
-
-int64_t Region::budgeted_bytes() const {
-  int64_t bytes = strong_memo_bytes();
-  if (budget_counts_saved_) {
-    // A kept output is alive while autograd (or the region, for replays)
-    // still holds it; its record pins the address, not the memory.
-    for (const StorageRecord& record : storages_) {
-      if (record.producer >= 0 && !record.replayable && !record.identity.expired()) {
-        bytes += record.nbytes;
-      }
-    }
-  }
-  return bytes;
-}
-
-// A rebuilt storage met on the way is kept when autograd will still unpack
-// it at that state. Saved activations of a storage are all at its last
-// state: one saved before a later in-place write fails the version check.
-bool Region::worth_memoising(int32_t storage, int32_t state) const {
-  const StorageRecord& record = storages_[storage];
-  return record.pending_unpacks > 0 && !record.memo.strong() &&
-      static_cast<size_t>(state) == record.mutations.size();
-}
-
-void Region::memoise(int32_t storage, const at::Tensor& t, int32_t state) {
-  StorageRecord& record = storages_[storage];
-  if (!record.memo.listed()) {
-    memoised_.push_back(storage);
-  }
-  record.memo.hold(t.storage(), state, StreamStamp::current_for(t));
+  return planner_.executed_schedule();
 }
 
 void Region::set_storage_restorer(StorageRestorer restorer) {
@@ -645,7 +228,7 @@ void Region::set_storage_restorer(StorageRestorer restorer) {
 }
 
 void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
-  const std::string& op = ops_[consumer.op_index].name;
+  const std::string& op = tape_.ops[consumer.op_index].facts->name;
   const std::string& arg = consumer.op.schema().arguments()[slot.arg].name();
   const TensorGeometry geometry = TensorGeometry::of(slot.held);
   if (!geometry.fits(slot.held.storage()) && restorer_.restore && restorer_.restore(slot.held)) {
@@ -664,7 +247,7 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
   if (now == slot.version) {
     return;
   }
-  const bool from_region = find_storage(slot.held) >= 0;
+  const bool from_region = storages_.find(slot.held).valid();
   if (from_region && allow_cache_entry_mutation_) {
     return;
   }
@@ -683,11 +266,12 @@ void Region::check_held(const ArgSlot& slot, const Entry& consumer) {
 }
 
 torch::jit::Stack Region::replay_entry(
-    int32_t entry_index,
+    EntryId entry_index,
     c10::function_ref<at::Tensor(const ArgSlot&)> resolve) {
   // Entries are never added during replay, so the reference stays valid.
-  const Entry& entry = entries_[entry_index];
-  TORCH_INTERNAL_ASSERT(entry.replayable, "torch_sac: entry ", entry_index, " cannot be replayed");
+  const Entry& entry = tape_.entries[entry_index];
+  TORCH_INTERNAL_ASSERT(
+      entry.replayable, "torch_sac: entry ", entry_index.value, " cannot be replayed");
   torch::jit::Stack stack(entry.args.begin(), entry.args.end());
   int64_t copied_list = -1;
   for (const ArgSlot& slot : entry.slots) {
@@ -733,7 +317,7 @@ torch::jit::Stack Region::replay_entry(
   stats_.replay_ns += elapsed;
   ++stats_.replayed_ops;
   stats_.replayed_cost += static_cast<int64_t>(entry.replay_cost);
-  OpInfo& info = ops_[entry.op_index];
+  OpInfo& info = tape_.ops[entry.op_index];
   ++info.replayed;
   info.replay_ns += elapsed;
   if (info.replays_by_call.size() <= static_cast<size_t>(entry.call_index)) {
@@ -741,22 +325,6 @@ torch::jit::Stack Region::replay_entry(
   }
   ++info.replays_by_call[static_cast<size_t>(entry.call_index)];
   return stack;
-}
-
-void Region::release_memos() {
-  size_t kept = 0;
-  for (int32_t s : memoised_) {
-    Memo& memo = storages_[s].memo;
-    if (storages_[s].pending_unpacks <= 0) {
-      memo.weaken();
-    }
-    if (memo.gone()) {
-      memo.clear();
-    } else {
-      memoised_[kept++] = s;
-    }
-  }
-  memoised_.resize(kept);
 }
 
 } // namespace torch_sac::region

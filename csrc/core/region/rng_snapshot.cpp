@@ -39,10 +39,6 @@ at::Generator clone_locked(at::Generator gen) {
 
 } // namespace
 
-bool RngSnapshot::draws_random(const c10::OperatorHandle& op) {
-  return op.hasTag(at::Tag::nondeterministic_seeded);
-}
-
 std::optional<RngSnapshot> RngSnapshot::capture(
     const c10::OperatorHandle& op,
     c10::ArrayRef<c10::IValue> args) {

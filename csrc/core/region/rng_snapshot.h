@@ -17,9 +17,8 @@ namespace torch_sac::region {
 
 class RngSnapshot {
  public:
-  // Whether `op` draws random numbers (ATen's nondeterministic_seeded tag).
-  static bool draws_random(const c10::OperatorHandle& op);
-  // The state before `op`, which draws_random(), runs with `args`, or
+  // The state before `op` runs with `args`, a call that draws random
+  // numbers (call_draws_random in csrc/core/op_facts.h), or
   // nullopt when it runs on a device without a generator (meta).
   static std::optional<RngSnapshot> capture(
       const c10::OperatorHandle& op,
