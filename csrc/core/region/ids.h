@@ -4,8 +4,8 @@
 // arithmetic: a plain value in registers and containers, hashed as an
 // int32_t.
 //
-//   StorageId  a StorageRecord (Region::storages_), one per storage tracked
-//   EntryId    a tape entry (Region::entries_), in recording order
+//   StorageId  a StorageRecord (storage_table.h), one per storage tracked
+//   EntryId    a tape entry (tape.h), in recording order
 //   ScopeId    a nested region (0: the region itself)
 //   StateId    a storage's state: how many recorded writes it has had
 
