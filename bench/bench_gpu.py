@@ -569,7 +569,7 @@ def bench_model(args, dev, name, spec, deadline):
             plan_seconds = time.perf_counter() - t
             row.note = (
                 f"target {fmt_bytes(target)}, planned {fmt_bytes(row.plan.measured_peak)}; "
-                f"{row.plan.solver}, {row.plan.recomputed_ops} replays; planned in {plan_seconds:.1f} s"
+                f"{row.plan.solver}, {row.plan.replayed_ops} replays; planned in {plan_seconds:.1f} s"
             )
             log(f"[{name}] {row.name}: {row.note}")
         except Exception as exc:  # noqa: BLE001 - the row says why

@@ -259,7 +259,7 @@ def count_ops(torch, torch_sac, fn, x, targets, context_fns):
 
         grad(checkpoint(fn, x, use_reentrant=False, context_fn=recording).sum(), targets)
         s = dict(made[0][0].stats())
-        s["intercepted"] = s["policy_calls"] + s["recomputed_ops"] + s["cache_hits"]
+        s["intercepted"] = s["policy_calls"] + s["replayed_ops"] + s["cache_hits"]
         sac_stats[name] = s
     counts["torch_sac_stats"] = sac_stats
     return counts
@@ -500,7 +500,7 @@ def print_report(results, summary, args):
                 print(
                     f"   [{adapter}] {name} stats: policy_calls={s['policy_calls']} "
                     f"saved_ops={s['saved_ops']} cache_hits={s['cache_hits']} "
-                    f"recomputed_ops={s['recomputed_ops']} (sum {s['intercepted']})"
+                    f"replayed_ops={s['replayed_ops']} (sum {s['intercepted']})"
                 )
             bad = res["workloads"][wname]["grad_mismatch"]
             if bad:

@@ -14,7 +14,16 @@ from .schedule import ReplaySchedule, as_call, read_json, write_json
 
 __all__ = ["PeakPlan"]
 
-FORMAT = "torch_sac.peak_plan/1"
+# The format of to_dict()'s output. 2: the replays are "replayed_ops" and
+# "replay_seconds" (1 said "recomputed_ops" and "recompute_seconds", the
+# drop-in's former words); from_dict reads both.
+FORMAT = "torch_sac.peak_plan/2"
+_OLD_FORMATS = {
+    "torch_sac.peak_plan/1": {
+        "recomputed_ops": "replayed_ops",
+        "recompute_seconds": "replay_seconds",
+    }
+}
 
 
 class PeakPlan(RegionPlan):
@@ -36,7 +45,9 @@ class PeakPlan(RegionPlan):
         saved: ``[(op, call_index)]`` forward keeps (``None``: every call).
         schedule: the :class:`torch_sac.ReplaySchedule` of the planned run
             (what each rebuild kept and released).
-        recomputed_ops, recompute_seconds: replays in the planned run.
+        replayed_ops, replay_seconds: replays in the planned run
+            (``recomputed_ops`` and ``recompute_seconds``, the former names,
+            are deprecated aliases).
         forward_seconds: one forward without checkpointing, for scale.
         replays_by_op: ``{op: [replays of each call]}`` in the planned run.
         solver: ``"none needed"`` (fits without checkpointing),
@@ -97,8 +108,8 @@ class PeakPlan(RegionPlan):
         replay_budget: ReplayBudget | None,
         saved: list[tuple[str, int]] | None,
         schedule: ReplaySchedule,
-        recomputed_ops: int,
-        recompute_seconds: float,
+        replayed_ops: int,
+        replay_seconds: float,
         forward_seconds: float,
         replays_by_op: dict[str, list[int]],
         solver: str,
@@ -112,14 +123,24 @@ class PeakPlan(RegionPlan):
         self.replay_budget = replay_budget
         self.saved = saved
         self.schedule = schedule
-        self.recomputed_ops = recomputed_ops
-        self.recompute_seconds = recompute_seconds
+        self.replayed_ops = replayed_ops
+        self.replay_seconds = replay_seconds
         self.forward_seconds = forward_seconds
         self.replays_by_op = replays_by_op
         self.solver = solver
         self.solve_seconds = solve_seconds
         self.measure_seconds = measure_seconds
         self.planning_runs = runs
+
+    @property
+    def recomputed_ops(self) -> int:
+        """Deprecated alias of :attr:`replayed_ops` (kept for one release)."""
+        return self.replayed_ops
+
+    @property
+    def recompute_seconds(self) -> float:
+        """Deprecated alias of :attr:`replay_seconds` (kept for one release)."""
+        return self.replay_seconds
 
     @property
     def runs(self) -> int:
@@ -144,8 +165,8 @@ class PeakPlan(RegionPlan):
             "no_checkpoint_peak": self.no_checkpoint_peak,
             "replay_budget": None if self.replay_budget is None else self.replay_budget.bytes,
             "saved_calls": None if self.saved is None else len(self.saved),
-            "recomputed_ops": self.recomputed_ops,
-            "recompute_seconds": self.recompute_seconds,
+            "replayed_ops": self.replayed_ops,
+            "replay_seconds": self.replay_seconds,
             "forward_seconds": self.forward_seconds,
             "solver": self.solver,
             "optimal": self.optimal,
@@ -160,7 +181,7 @@ class PeakPlan(RegionPlan):
         saved_by_op = {}
         for op, _ in self.saved or ():
             saved_by_op[op] = saved_by_op.get(op, 0) + 1
-        ratio = (self.recompute_seconds / self.forward_seconds) if self.forward_seconds else 0.0
+        ratio = (self.replay_seconds / self.forward_seconds) if self.forward_seconds else 0.0
         lines = [
             f"peak plan: measured peak {format_bytes(self.measured_peak)} under "
             f"{format_bytes(self.peak_bytes)} (no checkpointing: "
@@ -169,7 +190,7 @@ class PeakPlan(RegionPlan):
             f"rebuilt tensors (checkpoint share {self.replay_budget.checkpoint_share:g})"
             if self.replay_budget
             else "  nothing dropped",
-            f"  recompute: {self.recomputed_ops} op replays, {self.recompute_seconds * 1e3:.2f} ms "
+            f"  recompute: {self.replayed_ops} op replays, {self.replay_seconds * 1e3:.2f} ms "
             f"({ratio:.2f}x one forward)",
             f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
             f"{self.solve_seconds * 1e3:.2f} ms; {self.planning_runs} planning runs, "
@@ -202,6 +223,10 @@ class PeakPlan(RegionPlan):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PeakPlan:
+        if isinstance(data, dict) and data.get("format") in _OLD_FORMATS:
+            renamed = _OLD_FORMATS[data["format"]]
+            data = {renamed.get(k, k): v for k, v in data.items()}
+            data["format"] = FORMAT
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise ValueError(
@@ -211,8 +236,8 @@ class PeakPlan(RegionPlan):
             "peak_bytes",
             "measured_peak",
             "no_checkpoint_peak",
-            "recomputed_ops",
-            "recompute_seconds",
+            "replayed_ops",
+            "replay_seconds",
             "forward_seconds",
             "replays_by_op",
             "solver",
@@ -254,5 +279,5 @@ class PeakPlan(RegionPlan):
     def __repr__(self) -> str:
         return (
             f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
-            f"{format_bytes(self.peak_bytes)}, {self.recomputed_ops} op replays, {self.solver}>"
+            f"{format_bytes(self.peak_bytes)}, {self.replayed_ops} op replays, {self.solver}>"
         )

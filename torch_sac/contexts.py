@@ -117,14 +117,17 @@ class SelectiveContext:
         """Counters shared by both contexts of the pair.
 
         ``policy_calls`` (ops passed to the policy in forward), ``saved_ops``
-        and ``saved_bytes`` (outputs cached in forward), ``recomputed_ops``
+        and ``saved_bytes`` (outputs cached in forward), ``replayed_ops``
         (ops re-run during recompute), ``cache_hits`` (cached outputs handed
         back during recompute), ``invalidated_ops`` (outputs cached, then
         written in place later in forward, so recomputed instead) and
         ``redirected_writes`` (in-place writes recompute made to a copy
         because forward had already made them, e.g. BatchNorm's running
-        statistics) and ``recompute_ns`` (time spent running the ops
-        recompute re-ran, measured in C++ around each).
+        statistics) and ``replay_ns`` (time spent running the ops
+        recompute re-ran, measured in C++ around each): the fields of
+        ``torch_sac._C.dropin_stat_fields()``. ``recomputed_ops`` and
+        ``recompute_ns``, the former names, are deprecated aliases kept for
+        one release.
         """
         return self._state.stats()
 

@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"\n  ops seen by the policy: {totals['policy_calls']}, saved: {totals['saved_ops']} "
             f"({totals['saved_bytes'] / 1024:.1f} KiB cached), recomputed in backward: "
-            f"{totals['recomputed_ops']}, cache hits: {totals['cache_hits']}"
+            f"{totals['replayed_ops']}, cache hits: {totals['cache_hits']}"
         )
     else:
         print(

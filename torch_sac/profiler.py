@@ -45,21 +45,14 @@ _OLD_FORMATS = {"torch_sac.profile/1": {"sac_context": REGION}}
 # Per-op counters read from the regions (sac_context.op_details(), and the
 # drop-in forward context's op_details(), which has the same keys).
 _OP_FIELDS = ("saved", "dropped", "saved_bytes", "dropped_bytes", "replayed", "replay_ns")
-# Region counters summed into the totals (sac_context.stats()).
-_REGION_FIELDS = (
-    "policy_calls",
-    "saved_ops",
-    "saved_bytes",
-    "dropped_ops",
-    "dropped_bytes",
-    "held_bytes",
-    "packed_kept",
-    "packed_dropped",
-    "unpacked_original",
-    "replayed_ops",
-    "replay_ns",
-    "record_ns",
+# Region counters summed into the totals: every counter of the region
+# engine's stats (listed once, in csrc/core/stats.h, read here through
+# _C.region_stat_fields()) except the levels, peaks and per-pass counts,
+# which do not add up over regions. A counter added there is summed here.
+_NOT_SUMMED = frozenset(
+    {"memo_bytes", "peak_memo_bytes", "peak_held_bytes", "first_rebuild_replayed_ops"}
 )
+_REGION_FIELDS = tuple(name for name, _ in _C.region_stat_fields() if name not in _NOT_SUMMED)
 # Region counters a drop-in pair has, as sums of its op_details() rows; the
 # other fields (held copies, autograd's packing, recording time) have no
 # drop-in counterpart and are 0.

@@ -72,3 +72,36 @@ def test_dropin_stats_keys_are_the_field_list_and_aliases_match():
             assert stats[alias] == stats[field], (alias, stats)
         assert stats["replayed_ops"] > 0
         assert stats["replay_ns"] > 0
+
+
+def test_docs_tables_are_generated_from_the_field_lists():
+    """docs/profiling.md's tables are what scripts/stat_fields_table.py
+    prints from the field lists (rerun it with --write after adding one)."""
+    import importlib.util
+
+    from conftest import REPO_ROOT
+
+    path = f"{REPO_ROOT}/scripts/stat_fields_table.py"
+    spec = importlib.util.spec_from_file_location("stat_fields_table", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    doc = script.DOC.read_text()
+    assert script.tables() in doc, "run: python scripts/stat_fields_table.py --write"
+
+
+def test_profiler_totals_sum_every_counter_but_levels_and_peaks():
+    from torch_sac import profiler
+
+    region = _fields(_C.region_stat_fields())
+    assert set(profiler._NOT_SUMMED) <= set(region)
+    assert list(profiler._REGION_FIELDS) == [n for n in region if n not in profiler._NOT_SUMMED]
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    with torch_sac.profile(timeline=False) as prof:
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region_ctx:
+            out = torch.mm(torch.mm(x, w).sin(), w).relu()
+        prof.end_forward()
+        out.sum().backward()
+    stats = region_ctx.stats()
+    for name in profiler._REGION_FIELDS:
+        assert prof.totals[name] == stats[name], name
