@@ -41,24 +41,29 @@ std::vector<c10::OperatorName>& mutable_names() {
 
 } // namespace
 
-const std::vector<c10::OperatorName>& ignored_op_names() {
+std::vector<c10::OperatorName> ignored_op_names() {
+  std::lock_guard<std::mutex> lock(names_mutex);
   return mutable_names();
 }
 
 void add_ignored_ops(const std::vector<c10::OperatorName>& extra) {
-  std::lock_guard<std::mutex> lock(names_mutex);
-  auto& names = mutable_names();
-  for (const auto& name : extra) {
-    if (std::find(names.begin(), names.end(), name) == names.end()) {
-      names.push_back(name);
+  {
+    std::lock_guard<std::mutex> lock(names_mutex);
+    auto& names = mutable_names();
+    for (const auto& name : extra) {
+      if (std::find(names.begin(), names.end(), name) == names.end()) {
+        names.push_back(name);
+      }
     }
   }
-  // Facts cached before hold the old answer.
+  // Facts cached before hold the old answer. Outside the set's lock: computing
+  // facts takes the cache's lock, then this set's (is_ignored_op).
   forget_op_facts();
 }
 
 bool is_ignored_op(const c10::OperatorName& name) {
-  const auto& names = ignored_op_names();
+  std::lock_guard<std::mutex> lock(names_mutex);
+  const auto& names = mutable_names();
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 

@@ -10,13 +10,16 @@ namespace torch_sac {
 
 bool is_ignored_op(const c10::OperatorName& name);
 
-// The full set, "ns::name.overload" ("" overload printed as "default"), for
-// exposing to users.
-const std::vector<c10::OperatorName>& ignored_op_names();
+// A copy of the full set, for exposing to users.
+std::vector<c10::OperatorName> ignored_op_names();
 
-// Adds ops to the set (duplicates ignored). Called once, at import of the
-// Python package, with the installed torch's SAC_IGNORED_OPS, before any
-// region or context exists: lookups take no lock.
+// Adds ops to the set (duplicates ignored) and forgets the cached op facts
+// (op_facts.h), which hold the old answer. Called at import of the Python
+// package with the installed torch's SAC_IGNORED_OPS. Lookups lock too, so a
+// later call cannot race them; the lock is only taken when an op's facts are
+// first computed, never per intercepted op. Lock order: the op-facts cache's
+// lock, then this set's (add_ignored_ops releases its lock before it
+// forgets the facts).
 void add_ignored_ops(const std::vector<c10::OperatorName>& extra);
 
 } // namespace torch_sac

@@ -85,8 +85,9 @@ class RegionHandle {
 
  private:
   friend class SacContext;
-  // Region is incomplete here: shared_ptr's deleter is made in
-  // sac_context.cpp, where it is complete.
+  // Region is incomplete here: the shared_ptr is made (and its deleter
+  // captured) in sac_context.cpp, where Region is complete; this constructor
+  // is out of line for the same reason.
   explicit RegionHandle(std::shared_ptr<region::Region> region);
   std::shared_ptr<region::Region> region_;
 };

@@ -165,6 +165,8 @@ void Tape::release_from(size_t needed) {
 }
 
 void Tape::clear() {
+  // `ops` stays: Region::handle holds a reference to an op's facts across
+  // the unlocked run of the op, and the per-op counters outlive the tape.
   entries.clear();
   entries.shrink_to_fit();
   held_slots_.clear();
