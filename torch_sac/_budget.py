@@ -260,8 +260,19 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
 def _region_plan(
     fn, args, kwargs, bytes_, fraction, cost, solver, repeats, max_states, where
 ) -> BudgetPolicy:
-    """Profiles ``fn(*args, **kwargs)`` as one region and plans it."""
+    """Checks the options, then profiles ``fn(*args, **kwargs)`` as one
+    region and plans it."""
     check_options(bytes_, fraction, cost, solver, repeats, where)
+    return _profiled_plan(
+        fn, args, kwargs, bytes_, fraction, cost, solver, repeats, max_states, where
+    )
+
+
+def _profiled_plan(
+    fn, args, kwargs, bytes_, fraction, cost, solver, repeats, max_states, where
+) -> BudgetPolicy:
+    """Profiles ``fn(*args, **kwargs)`` as one region (options already
+    checked) and plans it: one region's plan, or one block's in a model."""
     profile, _ = profile_region(
         fn,
         args,
@@ -646,14 +657,18 @@ def _model_budget(
     for block, block_args, block_kwargs in block_calls(model, args, kwargs, modules, where):
         key = block_signature(block, block_args, block_kwargs)
         if key not in plans:
-            profile, _ = profile_region(
+            plans[key] = _profiled_plan(
                 block,
                 block_args,
                 block_kwargs,
-                repeats=repeats if cost == "time" else 0,
-                count_flops=cost == "flops",
+                bytes_,
+                fraction,
+                cost,
+                solver,
+                repeats,
+                max_states,
+                where,
             )
-            plans[key] = _plan(profile, cost, bytes_, fraction, solver, max_states, where)
         by_block[block] = plans[key]
     names = {m: n for n, m in model.named_modules()}
     return ModelBudget(by_block, names)
