@@ -10,6 +10,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
+#include "tests/cpp/key_adapter_test.h"
 
 namespace torch_sac {
 namespace {
@@ -40,17 +41,7 @@ class ThrowingPolicy final : public OpPolicy {
   }
 };
 
-class KeyAdapter : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const std::string reason = key_adapter_unavailable_reason();
-    if (!reason.empty()) {
-      GTEST_SKIP() << "key adapter unavailable on this torch: " << reason;
-    }
-    install_key_adapter();
-    ASSERT_TRUE(key_adapter_installed());
-  }
-};
+using KeyAdapter = KeyAdapterTest;
 
 size_t count(const std::vector<std::string>& v, const std::string& s) {
   return std::count(v.begin(), v.end(), s);

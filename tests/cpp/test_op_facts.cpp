@@ -14,6 +14,7 @@
 #include "csrc/core/region/region.h"
 #include "csrc/core/selective_cache.h"
 #include "policies/builtin_policies.h"
+#include "tests/cpp/key_adapter_test.h"
 
 namespace torch_sac {
 namespace region {
@@ -107,15 +108,8 @@ TEST(OpFacts, CallDrawsRandomUnlessDropoutIsZero) {
   EXPECT_FALSE(call_draws_random(*mm, {q, q}));
 }
 
-class OpFactsEngines : public ::testing::Test {
+class OpFactsEngines : public KeyAdapterTest {
  protected:
-  void SetUp() override {
-    const std::string reason = key_adapter_unavailable_reason();
-    if (!reason.empty()) {
-      GTEST_SKIP() << "key adapter unavailable on this torch: " << reason;
-    }
-    install_key_adapter();
-  }
   // mm, add_, a view, mm.out, dropout and attention without and with dropout.
   static void run_ops(const at::Tensor& x) {
     auto m = at::mm(x, x);

@@ -11,20 +11,13 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/region/region.h"
 #include "policies/builtin_policies.h"
+#include "tests/cpp/key_adapter_test.h"
 
 namespace torch_sac::region {
 namespace {
 
-class RegionEngine : public ::testing::Test {
+class RegionEngine : public KeyAdapterTest {
  protected:
-  void SetUp() override {
-    const std::string reason = key_adapter_unavailable_reason();
-    if (!reason.empty()) {
-      GTEST_SKIP() << "key adapter unavailable on this torch: " << reason;
-    }
-    install_key_adapter();
-  }
-
   static std::shared_ptr<Region> make_region(std::shared_ptr<OpPolicy> policy) {
     return std::make_shared<Region>(std::move(policy), /*allow_cache_entry_mutation=*/false);
   }
