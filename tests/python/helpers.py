@@ -9,10 +9,14 @@ Hugging Face ones).
 * A weighted loss, backward in several ways (on another thread, twice with
   ``retain_graph``).
 * The counting allocator's readings (:func:`allocated`, :func:`storage_bytes`).
+* Hang detection that load cannot break (:data:`HANG_LIMIT_S`,
+  :func:`run_isolated`).
 """
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 from typing import Callable, NamedTuple
 
@@ -168,8 +172,111 @@ def weighted(out):
     return (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
 
 
+# --------------------------------------------------------------------------
+# Hang detection
+# --------------------------------------------------------------------------
+
+# A test that guards against a hang (a deadlock, a thread that never
+# returns) waits this long for the guarded work before it calls it hung. It
+# is not a timing: every piece of work guarded this way takes under a second
+# on an idle 2-core machine, so the limit is over 100x that and a machine
+# busy with other work cannot reach it, while a real deadlock, which never
+# finishes, still fails the test (after this long).
+HANG_LIMIT_S = 120.0
+
+# A child interpreter gets this long to import torch and torch_sac before
+# its guarded work starts: about 5-10 s on an idle 2-core machine, far
+# longer when other processes share the cores. Import time is not what the
+# tests guard, so it gets its own, larger limit.
+IMPORT_LIMIT_S = 600.0
+
+# A test that runs a whole program in a child interpreter (an example, the
+# CLI, a script that imports torch_sac under another setting) gives it this
+# long: the longest of them takes about a minute on an idle 2-core machine
+# (see each use), and this is 10x that.
+PROGRAM_LIMIT_S = 900.0
+
+_READY = "torch_sac-test: imported"
+
+
+class ChildRun(NamedTuple):
+    """How a child interpreter of :func:`run_isolated` ended: ``status`` is
+    "ok" (exit 0), "error" (another exit code), "hang" (its work did not
+    finish within the limit) or "import-hang"."""
+
+    status: str
+    stdout: str
+    stderr: str
+
+
+def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None, env=None):
+    """Runs ``code`` in a fresh interpreter and tells how it ended.
+
+    The child imports torch and torch_sac first and says so; only then does
+    the clock for ``code`` start (``limit`` seconds). If ``code`` does not
+    finish in time, the child dumps every thread's Python stack to its stderr
+    (``faulthandler``) and exits, so a hang fails with where it hung, not
+    with a bare timeout.
+    """
+    prelude = (
+        "import faulthandler, sys\n"
+        "import torch, torch_sac\n"
+        f"print({_READY!r}, flush=True)\n"
+        f"faulthandler.dump_traceback_later({float(limit)!r}, exit=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", prelude + code],
+        cwd=cwd,
+        env=dict(os.environ) if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out_lines, err_chunks = [], []
+    ready = threading.Event()
+
+    def read_stdout():
+        for line in proc.stdout:
+            if line.rstrip("\n") == _READY and not ready.is_set():
+                ready.set()
+                continue
+            out_lines.append(line)
+        ready.set()  # exited before (or without) saying it imported
+
+    readers = [
+        threading.Thread(target=read_stdout, daemon=True),
+        threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True),
+    ]
+    for t in readers:
+        t.start()
+    status = None
+    if not ready.wait(IMPORT_LIMIT_S):
+        status = "import-hang"
+    else:
+        try:
+            # The child's own faulthandler ends a hang at `limit`; the slack
+            # only covers writing the stacks out.
+            proc.wait(limit + 60)
+        except subprocess.TimeoutExpired:
+            status = "hang"
+    if status is not None:
+        proc.kill()
+    proc.wait()
+    for t in readers:
+        t.join()
+    stderr = "".join(err_chunks)
+    if status is None:
+        if proc.returncode == 0:
+            status = "ok"
+        elif "Timeout (" in stderr and "Thread" in stderr:
+            status = "hang"  # faulthandler's dump: the child timed itself out
+        else:
+            status = "error"
+    return ChildRun(status, "".join(out_lines), stderr)
+
+
 @contextlib.contextmanager
-def on_threads(work, count=1, timeout=30):
+def on_threads(work, count=1, timeout=HANG_LIMIT_S):
     """Runs ``work(i)`` on ``count`` threads while the block runs; after it,
     fails if one of them hung and raises the first error one raised."""
     errors = []

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
+from helpers import PROGRAM_LIMIT_S
 from torch_sac import cli
 from torch_sac._op_profile import format_bytes
 
@@ -171,7 +172,7 @@ def test_python_dash_m(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROGRAM_LIMIT_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert "recompute_all" in proc.stdout and "bitwise" in proc.stdout

@@ -33,6 +33,7 @@ from conftest import (
     save_all_fn,
     save_matmuls_fn,
 )
+from helpers import PROGRAM_LIMIT_S
 from models import MODEL_BUILDERS, Stack
 
 P = torch_sac.Policy
@@ -718,7 +719,7 @@ def _run_adapter_subprocess(value):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROGRAM_LIMIT_S,
     )
 
 

@@ -29,6 +29,7 @@ import torch.utils.checkpoint as tc
 
 import torch_sac
 from conftest import _dispatch_state
+from helpers import HANG_LIMIT_S
 from torch_sac.contexts import _SelectiveContext
 
 
@@ -167,7 +168,7 @@ def test_generator_closed_late_on_another_thread_is_harmless():
 
     thread = threading.Thread(target=drop)
     thread.start()
-    thread.join(timeout=60)
+    thread.join(timeout=HANG_LIMIT_S)
     assert not thread.is_alive()
     assert errors == []
 
@@ -445,7 +446,7 @@ def test_error_on_one_thread_while_another_checkpoints():
             assert _dispatch_state() == before
     finally:
         stop.set()
-        thread.join(timeout=60)
+        thread.join(timeout=HANG_LIMIT_S)
     assert not thread.is_alive()
     assert errors == []
 

@@ -7,8 +7,10 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
+from helpers import PROGRAM_LIMIT_S
 
-# Each example runs in a subprocess: seconds each.
+# Each example runs in a subprocess: seconds each (under a minute idle);
+# PROGRAM_LIMIT_S only stops a hang.
 pytestmark = pytest.mark.slow
 
 
@@ -18,7 +20,7 @@ def test_hf_llama_finetune_example():
         [sys.executable, os.path.join(REPO_ROOT, "examples", "hf_llama_finetune.py")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PROGRAM_LIMIT_S,
         env=env,
         cwd=REPO_ROOT,
     )
@@ -38,7 +40,7 @@ def test_revolve_chain_example_runs_the_optimal_schedule():
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROGRAM_LIMIT_S,
         cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -59,7 +61,7 @@ def test_peak_plan_example_fits_and_is_bitwise():
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PROGRAM_LIMIT_S,
         cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
+from helpers import PROGRAM_LIMIT_S
 
 CHECKER = os.path.join(REPO_ROOT, "scripts", "check_private_names.py")
 
@@ -18,7 +19,10 @@ pytestmark = pytest.mark.adapter_independent
 
 def _check(package_dir):
     return subprocess.run(
-        [sys.executable, CHECKER, str(package_dir)], capture_output=True, text=True, timeout=60
+        [sys.executable, CHECKER, str(package_dir)],
+        capture_output=True,
+        text=True,
+        timeout=PROGRAM_LIMIT_S,
     )
 
 

@@ -32,6 +32,7 @@ from conftest import (
     loss_of,
     mixed_policy_fn,
 )
+from helpers import HANG_LIMIT_S
 from models import REGION_MODEL_BUILDERS, Stack
 
 P = torch_sac.Policy
@@ -885,7 +886,7 @@ def test_regions_on_two_threads_at_once():
     """Two threads, each in its own region, interleaved op by op: each region
     records only its own thread's ops, and both results are exact."""
     n_steps = 6
-    barrier = threading.Barrier(2, timeout=30)
+    barrier = threading.Barrier(2, timeout=HANG_LIMIT_S)
     results, errors = {}, []
 
     def worker(name, policy, seed):
@@ -1770,7 +1771,7 @@ def test_custom_op_with_a_python_kernel_replays(backward_thread):
     if backward_thread:
         t = threading.Thread(target=lambda: result.update(g=torch.autograd.grad(loss, x)[0]))
         t.start()
-        t.join(timeout=60)
+        t.join(timeout=HANG_LIMIT_S)
         assert not t.is_alive(), "backward hung"
         ours = result["g"]
     else:

@@ -14,6 +14,7 @@ import torch_sac
 from torch_sac import _C, _compat
 
 from conftest import REPO_ROOT
+from helpers import PROGRAM_LIMIT_S
 
 
 @pytest.mark.adapter_independent
@@ -59,7 +60,7 @@ def test_import_refuses_a_build_for_another_release(tmp_path):
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PROGRAM_LIMIT_S,
     )
     assert result.returncode != 0
     assert "ImportError" in result.stderr

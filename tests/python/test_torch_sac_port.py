@@ -34,8 +34,6 @@ reason; the docstring of each such test carries a minimal repro.
 
 import functools
 import gc
-import subprocess
-import sys
 import os
 import textwrap
 
@@ -49,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import torch_sac
 from conftest import REPO_ROOT, assert_tensors_equal, aten, torch_sac_asks_policy_in_recompute
+from helpers import run_isolated
 from models import SizesDispatchingTensor
 
 ENGINES = ["torch", "contexts", "region"]
@@ -312,23 +311,14 @@ def test_subclass_in_region_is_exact():
     """Companion of ``test_subclass_dispatching_sizes`` for the region
     engine: ops on a tensor subclass run as if outside the region (kept as
     autograd keeps them), and the gradient is exact. Run in a subprocess with
-    a timeout: this once deadlocked (the subclass's detach, called while the
-    region held its lock to pack it, re-entered the region).
+    run_isolated's hang limit: this once deadlocked (the subclass's detach,
+    called while the region held its lock to pack it, re-entered the region).
     """
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _SUBCLASS_REGION_SCRIPT],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=12,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail("the region hung (deadlock) instead of raising")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
-    assert "GRAD_EQUAL True" in lines, proc.stdout
-    assert "AFTER_OK True" in lines, proc.stdout
+    run = run_isolated(_SUBCLASS_REGION_SCRIPT, cwd=REPO_ROOT)
+    assert run.status == "ok", f"{run.status}: {run.stderr[-4000:]}"
+    lines = run.stdout.splitlines()
+    assert "GRAD_EQUAL True" in lines, run.stdout
+    assert "AFTER_OK True" in lines, run.stdout
 
 
 # ==========================================================================
