@@ -2,14 +2,16 @@
 # Sets up, then runs the checks (formatting, docs, import cycles) and every
 # test: GoogleTest (C++), the C++ example against
 # the installed package, and pytest under both interception adapters on the
-# primary torch (the one setup.sh keeps or installs); then the whole Python
-# suite on the oldest and the newest supported torch, each from PyPI in its
-# own venv, built with the README's command (scripts/test_release.sh), under
-# the adapter that release picks by default.
+# primary torch (the one setup.sh keeps or installs), in the active Python;
+# then the whole Python suite at the two ends of the supported range, each
+# from PyPI in its own venv, built with the README's command
+# (scripts/test_release.sh), under the adapter that release picks by
+# default: the oldest torch on the oldest Python (2.11.0 on 3.10) and the
+# newest on the newest (2.15.0 on 3.13).
 #
-# TORCH_SAC_CI_RELEASES overrides that list ("" skips it: the quick local
-# loop). scripts/test_matrix.sh is the long profile: every supported release
-# under both adapters.
+# TORCH_SAC_CI_RELEASES overrides that list, items RELEASE[@PYTHON] ("" skips
+# it: the quick local loop). scripts/test_matrix.sh is the long profile:
+# every supported release under both adapters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -30,6 +32,6 @@ bash scripts/test_cpp_example.sh
 TORCH_SAC_ADAPTER=key python -m pytest tests/python -q
 TORCH_SAC_ADAPTER=python python -m pytest tests/python -q -m "not adapter_independent"
 
-for release in ${TORCH_SAC_CI_RELEASES-2.11.0 2.15.0}; do
+for release in ${TORCH_SAC_CI_RELEASES-2.11.0@3.10 2.15.0@3.13}; do
   bash scripts/test_release.sh "$release" auto
 done

@@ -6,7 +6,8 @@
 # written to build/releases/matrix.md and printed. About 20 minutes per
 # release on a 2-core machine with a cold compiler cache.
 #
-#   bash scripts/test_matrix.sh [RELEASE...]   (default: all supported)
+#   bash scripts/test_matrix.sh [RELEASE[@PYTHON]...]   (default: all supported,
+#                                                in the python on PATH)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,11 +27,13 @@ done
   echo "| torch | adapter | result |"
   echo "|---|---|---|"
   for release in "${RELEASES[@]}"; do
-    summary="build/releases/$release/summary.txt"
+    dir="build/releases/${release%@*}"
+    [[ "$release" != *@* ]] || dir+="-py${release#*@}"
+    summary="$dir/summary.txt"
     if [ -s "$summary" ]; then
       while read -r rel adapter rest; do echo "| $rel | $adapter | $rest |"; done < "$summary"
     else
-      echo "| $release | - | did not build (see build/releases/$release) |"
+      echo "| $release | - | did not build (see $dir) |"
     fi
   done
 } > "$OUT"

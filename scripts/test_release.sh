@@ -4,35 +4,63 @@
 # (a CUDA build; it runs on a CPU-only machine), then the README's setup
 # command, then pytest.
 #
-#   bash scripts/test_release.sh RELEASE [ADAPTER...] [-- PYTEST_ARGS...]
+#   bash scripts/test_release.sh RELEASE[@PYTHON] [ADAPTER...] [-- PYTEST_ARGS...]
 #
 #   RELEASE   a torch release, e.g. 2.11.0 or 2.15.0
+#   PYTHON    the venv's Python, e.g. 3.10 or 3.13 (default: the python on
+#             PATH). Found as pythonX.Y on PATH or in pyenv's versions; it
+#             must have a torch RELEASE wheel on PyPI.
 #   ADAPTER   auto (default), key and/or python: one pytest run each
 #
-# Each release gets its own venv and its own copy of the source tree under
-# build/releases/RELEASE (the extension module is built into the tree, so
-# two releases cannot share one). Re-running reuses both: only what changed
-# is copied and rebuilt. Writes build/releases/RELEASE/summary.txt, one line
-# per adapter: "RELEASE ADAPTER <pytest's summary line>".
+# Each release (and Python) gets its own venv and its own copy of the source
+# tree under build/releases/RELEASE[-pyPYTHON] (the extension module is built
+# into the tree, so two releases cannot share one). Re-running reuses both:
+# only what changed is copied and rebuilt. Writes summary.txt there, one line
+# per adapter: "RELEASE[@PYTHON] ADAPTER <pytest's summary line>".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 
-RELEASE="${1:?usage: test_release.sh RELEASE [ADAPTER...] [-- PYTEST_ARGS...]}"
+SPEC="${1:?usage: test_release.sh RELEASE[@PYTHON] [ADAPTER...] [-- PYTEST_ARGS...]}"
 shift
+RELEASE="${SPEC%@*}"
+PYTHON_VERSION=""
+[ "$SPEC" = "$RELEASE" ] || PYTHON_VERSION="${SPEC#*@}"
 ADAPTERS=()
 while (($#)) && [ "$1" != "--" ]; do ADAPTERS+=("$1"); shift; done
 (($#)) && shift
 PYTEST_ARGS=("$@")
 ((${#ADAPTERS[@]})) || ADAPTERS=(auto)
 
-DIR="$ROOT/build/releases/$RELEASE"
+# The interpreter the venv is made from.
+find_python() {
+  local version="$1" candidate
+  if command -v "python$version" >/dev/null 2>&1; then
+    command -v "python$version"
+    return
+  fi
+  local pyenv_root
+  pyenv_root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+  for candidate in "$pyenv_root"/versions/"$version".*/bin/python"$version"; do
+    [ -x "$candidate" ] && { echo "$candidate"; return; }
+  done
+  echo "test_release.sh: Python $version not found (neither python$version on PATH nor" \
+    "in $pyenv_root/versions): install it, e.g. 'pyenv install $version'" >&2
+  return 1
+}
+if [ -n "$PYTHON_VERSION" ]; then
+  BASE_PYTHON="$(find_python "$PYTHON_VERSION")"
+  DIR="$ROOT/build/releases/$RELEASE-py$PYTHON_VERSION"
+else
+  BASE_PYTHON="$(command -v python3)"
+  DIR="$ROOT/build/releases/$RELEASE"
+fi
 VENV="$DIR/venv"
 SRC="$DIR/src"
 mkdir -p "$DIR"
 
 if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
+  "$BASE_PYTHON" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.__version__.startswith('$RELEASE'))" 2>/dev/null; then
   # PIP_CONSTRAINT=/dev/null lifts a machine-wide cap on torch's release.
@@ -58,6 +86,6 @@ for adapter in "${ADAPTERS[@]}"; do
   set -e
   [ "$rc" -eq 0 ] || status=1
   line=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1 | tr -d '=' | sed 's/^ *//')
-  echo "$RELEASE $adapter ${line:-rc=$rc}" | tee -a "$DIR/summary.txt"
+  echo "$SPEC $adapter ${line:-rc=$rc}" | tee -a "$DIR/summary.txt"
 done
 exit $status
