@@ -1017,7 +1017,10 @@ print("ok")
 # entry.op.callBoxed reaches key_fallback -> Region::handle of the same open region (gdb:
 # replay_entry -> Dispatcher::callBoxed -> key_fallback -> run_level -> Region::handle ->
 # pthread_mutex_lock), which locks mutex_ again (std::mutex, same thread). Hangs forever,
-# with or without replay_budget; the python adapter runs both and is exact
+# with or without replay_budget; the python adapter runs both and is exact. Today two guards
+# keep replays away from the open region: Region::rebuild's exclusion of the intercept key and
+# ReplayGuard's. With both removed (checked 2026-11-28, torch 2.13, key adapter) both cases
+# fail here as "hang" with the child's stacks, after HANG_LIMIT_S.
 # Each script runs in a child interpreter (a deadlock cannot be recovered in
 # this one) under run_isolated's hang limit, which load cannot reach
 @pytest.mark.slow

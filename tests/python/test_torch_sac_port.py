@@ -313,6 +313,9 @@ def test_subclass_in_region_is_exact():
     autograd keeps them), and the gradient is exact. Run in a subprocess with
     run_isolated's hang limit: this once deadlocked (the subclass's detach,
     called while the region held its lock to pack it, re-entered the region).
+    With that fix reverted (``keep(t)`` under the lock in ``Region::pack``;
+    checked 2026-11-28, torch 2.13, key adapter) this fails as "hang" with
+    the child's stacks, after ``HANG_LIMIT_S``.
     """
     run = run_isolated(_SUBCLASS_REGION_SCRIPT, cwd=REPO_ROOT)
     assert run.status == "ok", f"{run.status}: {run.stderr[-4000:]}"
