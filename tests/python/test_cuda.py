@@ -74,7 +74,10 @@ def cuda_only(what):
 
 RUN_SEED = 0  # global seed before forward (dropout masks)
 LOSS_SEED = 7  # loss weights (private CPU generator)
-JOIN_TIMEOUT = 120  # seconds a backward thread may take before the test fails
+# Seconds a backward thread may take before the test fails: a hang limit,
+# not a timing (each such backward takes well under a second, on the GPU
+# machine and in the CPU dry run; helpers.HANG_LIMIT_S).
+JOIN_TIMEOUT = 120
 SLEEP_CYCLES = 20_000_000  # torch.cuda._sleep: ~10-20 ms of one stream doing nothing
 
 POLICIES = {
@@ -1065,6 +1068,7 @@ def process_group():
         init_method=f"tcp://127.0.0.1:{_free_port()}",
         rank=0,
         world_size=1,
+        # One rank: no peer to wait for; a hang limit, not a timing.
         timeout=datetime.timedelta(seconds=60),
     )
     try:
