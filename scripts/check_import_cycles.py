@@ -8,6 +8,13 @@ X`` where X is defined in ``__init__.py``, ``import torch_sac``) is an edge to
 ``torch_sac``, whose ``__init__`` imports the submodules: a cycle too. The
 extension module ``_C`` is a leaf.
 
+Subpackages (``torch_sac/planners/``) are read too, their modules named
+``torch_sac.planners.budget_plan``. Importing a module of a subpackage first
+runs the subpackage's ``__init__``: ``from .planners.step_state import X`` in
+``region`` is an edge to ``torch_sac.planners`` as well (a cycle if that
+``__init__`` imports ``region``), except from a module inside that
+subpackage, which its ``__init__`` has started already.
+
     python scripts/check_import_cycles.py [PACKAGE_DIR]   (default: torch_sac)
 
 Prints the import graph's cycles (strongly connected components of more
@@ -38,6 +45,17 @@ def resolve(current, is_package, level, target):
     return ".".join(base + ([target] if target else []))
 
 
+def enclosing_packages(name, current):
+    """The packages whose ``__init__`` importing ``name`` from ``current`` runs:
+    those above ``name``, the top one and those above ``current`` left out
+    (their ``__init__`` runs before ``current``)."""
+    parts = name.split(".")
+    above = {".".join(parts[:i]) for i in range(2, len(parts))}
+    current_parts = current.split(".")
+    started = {".".join(current_parts[:i]) for i in range(1, len(current_parts) + 1)}
+    return above - started
+
+
 def imports_of(tree, current, is_package, modules):
     """Modules of the package that ``tree`` imports, anywhere in it."""
     found = set()
@@ -55,6 +73,7 @@ def imports_of(tree, current, is_package, modules):
                 # `from . import memory` imports a module; `from . import
                 # IGNORED_OPS` imports a name of the package.
                 found.add(candidate if candidate in modules else base)
+    found |= {p for m in list(found) for p in enclosing_packages(m, current)}
     return {m for m in found if m in modules and m != current} | (
         {current} if current in found and current.count(".") else set()
     )

@@ -10,6 +10,12 @@ underscore there says "not for users", and their public names are the
 package's internal API. The extension module ``_C`` is exempt: its names are
 bindings, not private helpers.
 
+Subpackages (``torch_sac/planners/``) are read too: relative imports
+(``from ..memory import _name``, ``from .budget_plan import _name``) and
+dotted paths (``import torch_sac.planners.peak_search`` then
+``torch_sac.planners.peak_search._name``) are resolved to the module they
+name.
+
     python scripts/check_private_names.py [PACKAGE_DIR]   (default: torch_sac)
 
 Prints each use as ``file:line: module.name`` and exits 1 if there is one.
@@ -27,6 +33,17 @@ def is_private(name):
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def dotted(node):
+    """``a.b.c`` as ["a", "b", "c"] for names and attributes only, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return [node.id] + parts[::-1]
+
+
 def violations(root):
     package = root.name
     paths = sorted(root.rglob("*.py"))
@@ -39,31 +56,38 @@ def violations(root):
         current = module_name(package, path, root)
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        aliases = {}  # local name -> a sibling module it is bound to
+        aliases = {}  # local name -> a module of the package it is bound to
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = resolve(current, is_package, node.level, node.module)
-                if base.split(".")[0] != package or base == current:
+                if base.split(".")[0] != package:
                     continue
                 for alias in node.names:
                     candidate = f"{base}.{alias.name}"
                     if candidate in modules:
                         aliases[alias.asname or alias.name] = candidate
-                    elif is_private(alias.name) and base in modules:
+                    elif is_private(alias.name) and base in modules and base != current:
                         found.append((path, node.lineno, f"{base}.{alias.name}"))
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name in modules and alias.asname:
                         aliases[alias.asname] = alias.name
+                    elif alias.name.split(".")[0] == package and not alias.asname:
+                        aliases[package] = package  # `import pkg.sub.mod` binds pkg
         for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not is_private(node.attr):
+                continue
+            parts = dotted(node.value)
+            if not parts or parts[0] not in aliases:
+                continue
+            owner = ".".join([aliases[parts[0]]] + parts[1:])
             if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and not aliases[node.value.id].endswith("._C")
-                and is_private(node.attr)
+                owner in modules
+                and owner != current
+                and not owner.endswith("._C")
+                and f"{owner}.{node.attr}" not in modules  # a private module
             ):
-                found.append((path, node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+                found.append((path, node.lineno, f"{owner}.{node.attr}"))
     return found
 
 

@@ -10,12 +10,11 @@ Modules import only modules of lower layers (docs/design/layers.md;
    ``_ignored_ops``, ``_budget_types``, ``_engines``, ``_build_info``
 2. utilities: ``_modes``, ``_compile``, ``_fsdp``, ``scopes``, ``memory``,
    ``schedule``, ``_op_profile``, ``_profile_report``, ``_blocks``,
-   ``_block_calls``, ``_step_state``, ``models``
+   ``models``
 3. policy conversion: ``_torch_policy``, ``_policy_conversion``
 4. engines: ``contexts`` (the drop-in), ``region``, ``checkpointing``
-5. planners: ``_planner_checks``, ``_budget_table``, ``_peak_plan``,
-   ``_peak_search``, ``_budget`` (``budget_for_region``,
-   ``budget_for_model``, ``plan_peak``)
+5. planners: the package ``planners`` (``budget_for_region``,
+   ``budget_for_model``, ``plan_peak``; its modules in its docstring)
 6. front doors: ``policies`` (the built-in policies and the planners),
    ``apply``, ``profiler``, ``_cli_report``, ``cli``, ``demo``, this package
 """
@@ -47,7 +46,7 @@ from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
 from .policy import Policy
 from .profiler import profile
-from ._peak_plan import PeakPlan
+from .planners import PeakPlan
 from .checkpointing import checkpoint, checkpoint_sequential
 from .region import ReplayBudget, sac_context
 from .schedule import RebuildStep, ReplaySchedule, TensorKey

@@ -7,7 +7,7 @@ into a ``policy_fn`` for PyTorch's own
 :func:`torch.utils.checkpoint.create_selective_checkpoint_contexts` (also
 under ``torch.compile``) that makes the same choices.
 
-The planners live in ``torch_sac._budget`` (a planner layer above the
+The planners live in ``torch_sac.planners`` (a planner layer above the
 engines, docs/design/layers.md); this front door exports them:
 :func:`budget_for_region` (a :class:`BudgetPolicy` for one region),
 :func:`budget_for_model` (a :class:`ModelBudget`, one plan per distinct
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _C
-from ._budget import (
+from .planners import (
     BudgetPolicy,
     ModelBudget,
     budget,

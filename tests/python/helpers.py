@@ -356,3 +356,28 @@ def derandomized(env, default):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
+
+
+# --------------------------------------------------------------------------
+# The source checks (scripts/check_import_cycles.py, check_private_names.py)
+# --------------------------------------------------------------------------
+
+
+def write_package(root, files):
+    """Writes a package ``pkg`` under ``root``: ``files`` maps a path in it
+    (``"sub/low.py"``) to the file's text. Returns the package's directory."""
+    pkg = root / "pkg"
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
+def run_checker(script, package_dir):
+    """Runs the checker ``script`` on the package in ``package_dir``."""
+    return subprocess.run(
+        [sys.executable, script, str(package_dir)],
+        capture_output=True,
+        text=True,
+        timeout=PROGRAM_LIMIT_S,
+    )

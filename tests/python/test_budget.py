@@ -21,7 +21,7 @@ from conftest import (
     sac_context_fn,
 )
 from models import MODEL_BUILDERS, GPTBlock, Stack
-from torch_sac._budget_table import _name_ranges, _op_name
+from torch_sac.planners.budget_table import _name_ranges, _op_name
 from torch_sac._op_profile import LiveStorages, format_bytes, profile_region
 
 REL = 1e-7

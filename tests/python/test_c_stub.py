@@ -163,6 +163,19 @@ def test_stub_is_installed_with_the_package():
     assert re.search(r'torch_sac\s*=\s*\[[^\]]*"py\.typed"', text)
 
 
+def test_every_subpackage_is_installed_with_the_package():
+    # pyproject.toml's [tool.setuptools] packages names packages, not trees: a
+    # subpackage it leaves out (torch_sac/planners/) is missing from the wheel.
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = re.search(r"^packages\s*=\s*\[([^\]]*)\]", text, re.M).group(1)
+    source = ROOT / "torch_sac"
+    found = {
+        ".".join(("torch_sac",) + init.parent.relative_to(source).parts)
+        for init in source.rglob("__init__.py")
+    }
+    assert set(re.findall(r'"([\w.]+)"', listed)) == found
+
+
 def test_every_export_is_in_the_stub_and_back():
     stub_names = _stub_module_names(_stub_tree())
     exported = _public(dir(_C))

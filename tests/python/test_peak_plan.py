@@ -38,7 +38,7 @@ from helpers import (
     weighted,
 )
 from milp_oracle import chain_deps, min_recompute
-from torch_sac._peak_search import _first_sweep
+from torch_sac.planners.peak_search import _first_sweep
 from torch_sac.models import TinyGPT
 
 P = torch_sac.policies

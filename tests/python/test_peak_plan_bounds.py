@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import torch_sac
 from helpers import assert_bitwise
-from torch_sac._peak_search import MAX_PLANNING_RUNS, _measure
+from torch_sac.planners.peak_search import MAX_PLANNING_RUNS, _measure
 from torch_sac.models import TinyGPT
 
 budget = torch_sac.policies.budget

@@ -3,6 +3,10 @@
 type, agrees with ``budget()`` for the same inputs, and refuses misspelled
 options and mistyped example arguments with a ``TypeError``."""
 
+import importlib
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -288,4 +292,24 @@ def test_budget_still_forwards_and_checks_as_before():
 def test_the_planners_are_exported_from_policies():
     for name in ("budget_for_region", "budget_for_model", "plan_peak", "budget"):
         assert name in torch_sac.policies.__all__
-        assert getattr(torch_sac.policies, name).__module__ == "torch_sac._budget"
+        assert getattr(torch_sac.policies, name).__module__ == "torch_sac.planners.budget_plan"
+
+
+def test_the_planners_package_exports_what_the_front_doors_do():
+    names = ("budget_for_region", "budget_for_model", "plan_peak", "budget")
+    for name in names + ("BudgetPolicy", "ModelBudget"):
+        assert getattr(torch_sac.planners, name) is getattr(torch_sac.policies, name)
+    assert torch_sac.planners.PeakPlan is torch_sac.PeakPlan
+    assert BudgetPolicy.__module__ == ModelBudget.__module__ == "torch_sac.planners.budget_plan"
+    assert torch_sac.PeakPlan.__module__ == "torch_sac.planners.peak_plan"
+
+
+def test_no_name_the_planners_export_hides_one_of_their_modules():
+    # torch_sac/planners/__init__.py says why: ``import torch_sac.planners.X
+    # as m`` would give the exported object, not the module.
+    package = Path(torch_sac.planners.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        if path.stem != "__init__":
+            importlib.import_module(f"torch_sac.planners.{path.stem}")
+            module = getattr(torch_sac.planners, path.stem)
+            assert inspect.ismodule(module), f"torch_sac.planners.{path.stem} is {module!r}"

@@ -3,13 +3,11 @@
 when there is one."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO_ROOT
-from helpers import PROGRAM_LIMIT_S
+from helpers import run_checker, write_package
 
 CHECKER = os.path.join(REPO_ROOT, "scripts", "check_private_names.py")
 
@@ -18,20 +16,7 @@ pytestmark = pytest.mark.adapter_independent
 
 
 def _check(package_dir):
-    return subprocess.run(
-        [sys.executable, CHECKER, str(package_dir)],
-        capture_output=True,
-        text=True,
-        timeout=PROGRAM_LIMIT_S,
-    )
-
-
-def _package(tmp_path, files):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    for name, text in files.items():
-        (pkg / name).write_text(text)
-    return pkg
+    return run_checker(CHECKER, package_dir)
 
 
 def test_torch_sac_uses_no_private_name_of_another_module():
@@ -41,27 +26,46 @@ def test_torch_sac_uses_no_private_name_of_another_module():
 
 
 @pytest.mark.parametrize(
-    "user",
+    "where, user, owner",
     [
-        "from .low import _helper\n",
-        "from . import low\n\ndef f():\n    return low._helper()\n",
-        "import pkg.low as low\n\nx = low._helper\n",
+        ("high.py", "from .low import _helper\n", "pkg.low"),
+        ("high.py", "from . import low\n\ndef f():\n    return low._helper()\n", "pkg.low"),
+        ("high.py", "import pkg.low as low\n\nx = low._helper\n", "pkg.low"),
+        ("high.py", "from .sub.low import _helper\n", "pkg.sub.low"),
+        ("high.py", "from .sub import low\n\nx = low._helper\n", "pkg.sub.low"),
+        ("high.py", "import pkg.sub.low\n\nx = pkg.sub.low._helper\n", "pkg.sub.low"),
+        ("sub/other.py", "from .low import _helper\n", "pkg.sub.low"),
+        ("sub/other.py", "from . import low\n\nx = low._helper\n", "pkg.sub.low"),
+        ("sub/other.py", "from ..low import _helper\n", "pkg.low"),
+        ("sub/__init__.py", "from . import low\n\nx = low._helper\n", "pkg.sub.low"),
+        ("sub/deeper/user.py", "from ..low import _helper\n", "pkg.sub.low"),
     ],
-    ids=["from-import", "attribute", "import-as"],
+    ids=[
+        "from-import",
+        "attribute",
+        "import-as",
+        "from-subpackage-module",
+        "subpackage-module-attribute",
+        "dotted-path",
+        "sibling",
+        "sibling-attribute",
+        "up-a-level",
+        "subpackage-init",
+        "two-levels-up",
+    ],
 )
-def test_checker_finds_a_private_name_used_across_modules(tmp_path, user):
-    pkg = _package(
-        tmp_path,
-        {"__init__.py": "", "low.py": "def _helper():\n    return 1\n", "high.py": user},
-    )
-    result = _check(pkg)
+def test_checker_finds_a_private_name_used_across_modules(tmp_path, where, user, owner):
+    helper = "def _helper():\n    return 1\n"
+    files = {"__init__.py": "", "low.py": helper, "sub/__init__.py": "", "sub/low.py": helper}
+    files.update({"sub/deeper/__init__.py": "", where: user})
+    result = _check(write_package(tmp_path, files))
     assert result.returncode == 1
-    assert "pkg.low._helper is private to its module" in result.stdout
+    assert f"{owner}._helper is private to its module" in result.stdout
 
 
-def test_checker_allows_private_modules_dunders_and_own_names(tmp_path):
-    pkg = _package(
-        tmp_path,
+@pytest.mark.parametrize(
+    "files",
+    [
         {
             "__init__.py": "from . import _low\n",
             "_low.py": "def helper():\n    return 1\n\ndef _own():\n    return helper()\n",
@@ -70,6 +74,18 @@ def test_checker_allows_private_modules_dunders_and_own_names(tmp_path):
                 "def f():\n    return _low.helper(), _low.__name__, helper()\n"
             ),
         },
-    )
-    result = _check(pkg)
+        {
+            "__init__.py": "from .sub import helper\n",
+            "sub/__init__.py": "from ._low import helper\n\n_OWN = 1\n\nx = _OWN\n",
+            "sub/_low.py": "def helper():\n    return 1\n",
+            "high.py": (
+                "import pkg.sub._low\nfrom .sub import _low\n\n"
+                "def f():\n    return pkg.sub._low.helper(), _low.helper()\n"
+            ),
+        },
+    ],
+    ids=["modules", "subpackages"],
+)
+def test_checker_allows_private_modules_dunders_and_own_names(tmp_path, files):
+    result = _check(write_package(tmp_path, files))
     assert result.returncode == 0, result.stdout + result.stderr

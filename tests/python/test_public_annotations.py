@@ -23,7 +23,7 @@ MODULES = (
     "torch_sac.memory",
     "torch_sac.scopes",
     "torch_sac.schedule",
-    "torch_sac._budget",
+    "torch_sac.planners",
 )
 
 
@@ -68,9 +68,9 @@ CALLABLES = _callables()
 def test_the_api_has_functions_to_check():
     names = {n for n, _ in CALLABLES}
     for expected in (
-        "torch_sac._budget.budget_for_region",
-        "torch_sac._budget.BudgetPolicy.table",
-        "torch_sac._peak_plan.PeakPlan.load",
+        "torch_sac.planners.budget_plan.budget_for_region",
+        "torch_sac.planners.budget_plan.BudgetPolicy.table",
+        "torch_sac.planners.peak_plan.PeakPlan.load",
         "torch_sac.apply.apply_sac",
         "torch_sac.region.sac_context.__init__",
         "torch_sac.profiler.profile.to_dict",

@@ -1,16 +1,16 @@
 """``PeakPlan``: a plan for a peak, what :func:`torch_sac.policies.plan_peak`
 returns, and its JSON form. The search that finds one is in
-``_peak_search.py``."""
+``peak_search.py``."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from . import _C
-from ._budget_types import RegionPlan, ReplayBudget
-from ._op_profile import format_bytes
-from .schedule import ReplaySchedule, as_call, read_json, write_json
+from .. import _C
+from .._budget_types import RegionPlan, ReplayBudget
+from .._op_profile import format_bytes
+from ..schedule import ReplaySchedule, as_call, read_json, write_json
 
 __all__ = ["PeakPlan"]
 
@@ -63,7 +63,7 @@ class PeakPlan(RegionPlan):
         measure_seconds: the time of the measured runs that found the plan.
         planning_runs: how many times planning called ``fn`` (forward and
             backward each time): at most 10
-            (``torch_sac._peak_search.MAX_PLANNING_RUNS``). ``runs`` is the
+            (``torch_sac.planners.peak_search.MAX_PLANNING_RUNS``). ``runs`` is the
             same number.
 
     Example:

@@ -1,11 +1,11 @@
 """The memory-budget planners and their plans: profile a region once, then
 choose in C++ which op outputs to keep so the recompute cost avoided is as
 large as possible (:class:`BudgetPolicy`, per block :class:`ModelBudget`);
-:func:`plan_peak` forwards to the peak planner (``_peak_search.py``).
+:func:`plan_peak` forwards to the peak planner (``peak_search.py``).
 
-How a plan reads (its items, rows and tables) is in ``_budget_table.py``,
-the planners' argument checks in ``_planner_checks.py``, the capture of a
-model's block calls in ``_block_calls.py``."""
+How a plan reads (its items, rows and tables) is in ``budget_table.py``,
+the planners' argument checks in ``checks.py``, the capture of a model's
+block calls in ``block_calls.py``."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _C
-from ._block_calls import block_calls, block_signature
-from ._blocks import find_blocks
-from ._budget_table import (
+from .. import _C
+from .._blocks import find_blocks
+from .._op_profile import RegionProfile, format_bytes, profile_region
+from .block_calls import block_calls, block_signature
+from .budget_table import (
     PlanItem,
     PlanRow,
     bytes_of,
@@ -25,10 +26,7 @@ from ._budget_table import (
     model_table,
     plan_table,
 )
-from ._op_profile import RegionProfile, format_bytes, profile_region
-from ._peak_plan import PeakPlan
-from ._peak_search import plan_for_peak
-from ._planner_checks import (
+from .checks import (
     SOLVERS,
     check_budget,
     check_callable,
@@ -37,6 +35,8 @@ from ._planner_checks import (
     check_examples,
     check_options,
 )
+from .peak_plan import PeakPlan
+from .peak_search import plan_for_peak
 
 __all__ = [
     "budget",

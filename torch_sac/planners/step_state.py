@@ -138,7 +138,7 @@ class StepState:
       the tensor it was, untouched.
 
     So every run measures the same step, and the model is left as it was.
-    The RNG is forked by each run (``_measure`` in ``_peak_search.py``).
+    The RNG is forked by each run (``_measure`` in ``peak_search.py``).
     """
 
     def __init__(self):

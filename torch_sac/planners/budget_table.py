@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._op_profile import format_bytes
+from .._op_profile import format_bytes
 
 __all__ = ["PlanItem", "PlanRow"]
 

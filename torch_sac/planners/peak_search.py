@@ -44,12 +44,12 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import _C, memory
-from ._op_profile import cuda_devices, format_bytes
-from ._peak_plan import PeakPlan
-from ._step_state import StepState
-from .region import ReplayBudget, in_region, sac_context
-from .schedule import ReplaySchedule
+from .. import _C, memory
+from .._op_profile import cuda_devices, format_bytes
+from ..region import ReplayBudget, in_region, sac_context
+from ..schedule import ReplaySchedule
+from .peak_plan import PeakPlan
+from .step_state import StepState
 
 __all__ = ["plan_for_peak"]
 

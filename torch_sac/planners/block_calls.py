@@ -5,7 +5,7 @@ makes two block calls plannable by one plan. For
 
 import torch
 
-from ._blocks import select_blocks
+from .._blocks import select_blocks
 
 __all__ = ["block_calls", "block_signature"]
 
