@@ -1,5 +1,5 @@
 // The budget policy: a profile (op_profile.h) made into a set-union knapsack
-// and solved (policies/budget_solver.h), as _plan in torch_sac/_budget.py.
+// and solved (policies/budget_solver.h), as _plan in torch_sac/planners/budget_plan.py.
 
 #include "torch_sac/budget.h"
 

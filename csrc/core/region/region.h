@@ -101,7 +101,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // outputs the policy kept in forward that are still alive, so the room a
   // kept checkpoint leaves when backward is past it goes to rebuilds (a
   // forward that keeps the first sweep of an optimal reversal; see
-  // torch_sac/_peak_plan.py).
+  // torch_sac/planners/peak_search.py).
   // `checkpoint_share`: of what is free, the most the spaced heuristic
   // gives to checkpoints (replay_budget.h).
   Region(

@@ -64,7 +64,7 @@ struct CheckpointChoice {
 //    for a single cut when none fits in that share). Which share is best
 //    depends on the program: keeping a transformer's whole residual stream
 //    leaves less for the blocks autograd needs next (a peak plan tries
-//    several, _peak_plan.py).
+//    several, torch_sac/planners/peak_search.py).
 CheckpointChoice choose_checkpoints(
     const std::vector<ReplayCut>& cuts,
     double total_cost,
