@@ -192,9 +192,10 @@ IMPORT_LIMIT_S = 600.0
 
 # A test that runs a whole program in a child interpreter (an example, the
 # CLI, a script that imports torch_sac under another setting) gives it this
-# long: the longest of them takes about a minute on an idle 2-core machine
-# (see each use), and this is 10x that.
-PROGRAM_LIMIT_S = 900.0
+# long: the longest of them (examples/hf_llama_finetune.py) took 8 s on this
+# 2-core machine while a C++ build used the other core (2026-11-28), and
+# this is over 50x that.
+PROGRAM_LIMIT_S = 600.0
 
 _READY = "torch_sac-test: imported"
 
