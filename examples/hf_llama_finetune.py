@@ -8,8 +8,10 @@ downloaded), a few training steps each:
    fraction=0.5))``: a plan made from one real call of the model, one per
    distinct layer;
 3. Hugging Face's own route: ``model.activation_checkpointing_enable(...)``
-   with torch_sac's contexts as ``context_fn`` (transformers 5.x; 4.x calls
-   it ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``).
+   with torch_sac's contexts as ``context_fn`` (transformers 5.23 and later;
+   earlier releases call it
+   ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``, and
+   this example uses whichever the installed transformers has).
 
 Each prints the profile of its last step and checks its gradients against
 the same steps without checkpointing.
@@ -51,6 +53,20 @@ def batch(step):
     return ids
 
 
+def hf_checkpointing(model, policy):
+    """Hugging Face's own checkpointing with torch_sac's contexts: the
+    method's name and keyword changed in transformers 5.23 (the old name
+    warns there, and the new one is missing before it)."""
+    kwargs = {
+        "use_reentrant": False,
+        "context_fn": functools.partial(torch_sac.create_selective_checkpoint_contexts, policy),
+    }
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def train(model, label, prepare=lambda model: None):
     """STEPS optimizer steps; returns the gradients of the last one."""
     prepare(model)
@@ -89,14 +105,8 @@ def main():
                 m, example_kwargs={"input_ids": batch(0), "use_cache": False}, fraction=0.5
             ),
         ),
-        "HF activation_checkpointing_enable": lambda m: m.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={
-                "use_reentrant": False,
-                "context_fn": functools.partial(
-                    torch_sac.create_selective_checkpoint_contexts,
-                    torch_sac.policies.save_matmuls(),
-                ),
-            }
+        "Hugging Face checkpointing + contexts": lambda m: hf_checkpointing(
+            m, torch_sac.policies.save_matmuls()
         ),
     }
     all_exact = True
