@@ -32,19 +32,23 @@ while (($#)) && [ "$1" != "--" ]; do ADAPTERS+=("$1"); shift; done
 PYTEST_ARGS=("$@")
 ((${#ADAPTERS[@]})) || ADAPTERS=(auto)
 
-# The interpreter the venv is made from.
+# The interpreter the venv is made from: the first candidate that runs and
+# is that version. A pyenv shim (pythonX.Y on PATH) exists for every
+# installed version but fails unless that version is active, so each
+# candidate is run, not just found.
 find_python() {
-  local version="$1" candidate
-  if command -v "python$version" >/dev/null 2>&1; then
-    command -v "python$version"
-    return
-  fi
-  local pyenv_root
+  local version="$1" candidate pyenv_root
   pyenv_root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
-  for candidate in "$pyenv_root"/versions/"$version".*/bin/python"$version"; do
-    [ -x "$candidate" ] && { echo "$candidate"; return; }
+  for candidate in "$(command -v "python$version" || true)" \
+    "$pyenv_root"/versions/"$version".*/bin/python"$version"; do
+    if [ -n "$candidate" ] && "$candidate" -c \
+      "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$version')" \
+      >/dev/null 2>&1; then
+      echo "$candidate"
+      return
+    fi
   done
-  echo "test_release.sh: Python $version not found (neither python$version on PATH nor" \
+  echo "test_release.sh: no working Python $version (neither python$version on PATH nor" \
     "in $pyenv_root/versions): install it, e.g. 'pyenv install $version'" >&2
   return 1
 }
