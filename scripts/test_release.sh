@@ -38,7 +38,7 @@ PYTEST_ARGS=("$@")
 # candidate is run, not just found.
 find_python() {
   local version="$1" candidate pyenv_root
-  pyenv_root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+  pyenv_root="$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")"
   for candidate in "$(command -v "python$version" || true)" \
     "$pyenv_root"/versions/"$version".*/bin/python"$version"; do
     if [ -n "$candidate" ] && "$candidate" -c \
@@ -63,8 +63,12 @@ VENV="$DIR/venv"
 SRC="$DIR/src"
 mkdir -p "$DIR"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  "$BASE_PYTHON" -m venv "$VENV"
+# A venv that no longer runs (its base Python was removed) or was made from
+# another Python is made again.
+base_version="$("$BASE_PYTHON" -c 'import sys; print(sys.version_info[:2])')"
+if ! venv_version="$("$VENV/bin/python" -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" ||
+  [ "$venv_version" != "$base_version" ]; then
+  "$BASE_PYTHON" -m venv --clear "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.__version__.startswith('$RELEASE'))" 2>/dev/null; then
   # PIP_CONSTRAINT=/dev/null lifts a machine-wide cap on torch's release.
@@ -89,7 +93,9 @@ for adapter in "${ADAPTERS[@]}"; do
   rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" -eq 0 ] || status=1
-  line=$(grep -E "[0-9]+ (passed|failed)" "$log" | tail -1 | tr -d '=' | sed 's/^ *//')
+  # No such line (a collection error, no test run) must not end the script
+  # under pipefail: the summary then says rc=N, and the next adapter runs.
+  line=$({ grep -E "[0-9]+ (passed|failed)" "$log" || true; } | tail -1 | tr -d '=' | sed 's/^ *//')
   echo "$SPEC $adapter ${line:-rc=$rc}" | tee -a "$DIR/summary.txt"
 done
 exit $status

@@ -15,6 +15,7 @@ Hugging Face ones).
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -198,6 +199,10 @@ IMPORT_LIMIT_S = 600.0
 PROGRAM_LIMIT_S = 600.0
 
 _READY = "torch_sac-test: imported"
+# What faulthandler.dump_traceback_later writes before it exits with 1.
+_FAULTHANDLER_TIMEOUT = re.compile(
+    r"^Timeout \(\d+:\d\d:\d\d(\.\d+)?\)!\n(Current thread|Thread) 0x", re.M
+)
 
 
 class ChildRun(NamedTuple):
@@ -217,32 +222,37 @@ def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None, env=None):
     the clock for ``code`` start (``limit`` seconds). If ``code`` does not
     finish in time, the child dumps every thread's Python stack to its stderr
     (``faulthandler``) and exits, so a hang fails with where it hung, not
-    with a bare timeout.
+    with a bare timeout. ``code`` runs as ``__main__`` with its own line
+    numbers (file name ``<isolated>``).
     """
-    prelude = (
+    launcher = (
         "import faulthandler, sys\n"
         "import torch, torch_sac\n"
         f"print({_READY!r}, flush=True)\n"
         f"faulthandler.dump_traceback_later({float(limit)!r}, exit=True)\n"
+        "exec(compile(sys.argv[1], '<isolated>', 'exec'), {'__name__': '__main__'})\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", prelude + code],
+        [sys.executable, "-c", launcher, code],
         cwd=cwd,
         env=dict(os.environ) if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        errors="replace",  # undecodable output must not stop the readers
     )
     out_lines, err_chunks = [], []
     ready = threading.Event()
 
     def read_stdout():
-        for line in proc.stdout:
-            if line.rstrip("\n") == _READY and not ready.is_set():
-                ready.set()
-                continue
-            out_lines.append(line)
-        ready.set()  # exited before (or without) saying it imported
+        try:
+            for line in proc.stdout:
+                if line.rstrip("\n") == _READY and not ready.is_set():
+                    ready.set()
+                    continue
+                out_lines.append(line)
+        finally:
+            ready.set()  # exited before (or without) saying it imported
 
     readers = [
         threading.Thread(target=read_stdout, daemon=True),
@@ -251,25 +261,29 @@ def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None, env=None):
     for t in readers:
         t.start()
     status = None
-    if not ready.wait(IMPORT_LIMIT_S):
-        status = "import-hang"
-    else:
-        try:
-            # The child's own faulthandler ends a hang at `limit`; the slack
-            # only covers writing the stacks out.
-            proc.wait(limit + 60)
-        except subprocess.TimeoutExpired:
-            status = "hang"
-    if status is not None:
-        proc.kill()
-    proc.wait()
-    for t in readers:
-        t.join()
+    try:
+        if not ready.wait(IMPORT_LIMIT_S):
+            status = "import-hang"
+        else:
+            try:
+                # The child's own faulthandler ends a hang at `limit`; the
+                # slack only covers writing the stacks out.
+                proc.wait(limit + 60)
+            except subprocess.TimeoutExpired:
+                status = "hang"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for t in readers:
+            t.join()
+        proc.stdout.close()
+        proc.stderr.close()
     stderr = "".join(err_chunks)
     if status is None:
         if proc.returncode == 0:
             status = "ok"
-        elif "Timeout (" in stderr and "Thread" in stderr:
+        elif proc.returncode == 1 and _FAULTHANDLER_TIMEOUT.search(stderr):
             status = "hang"  # faulthandler's dump: the child timed itself out
         else:
             status = "error"
