@@ -302,7 +302,9 @@ def on_threads(work, count=1, timeout=HANG_LIMIT_S):
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    # Daemon threads: one that hangs is reported below and must not keep
+    # pytest from exiting.
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
     try:

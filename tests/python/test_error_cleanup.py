@@ -166,7 +166,7 @@ def test_generator_closed_late_on_another_thread_is_harmless():
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    thread = threading.Thread(target=drop)
+    thread = threading.Thread(target=drop, daemon=True)
     thread.start()
     thread.join(timeout=HANG_LIMIT_S)
     assert not thread.is_alive()
@@ -435,7 +435,7 @@ def test_error_on_one_thread_while_another_checkpoints():
             errors.append(e)
 
     before = _dispatch_state()
-    thread = threading.Thread(target=worker)
+    thread = threading.Thread(target=worker, daemon=True)
     thread.start()
     kept = []
     try:

@@ -731,9 +731,10 @@ def test_exit_on_another_thread_raises():
             errors.append(e)
 
     try:
-        t = threading.Thread(target=other)
+        t = threading.Thread(target=other, daemon=True)
         t.start()
-        t.join()
+        t.join(HANG_LIMIT_S)
+        assert not t.is_alive(), "the other thread's exit hung"
     finally:
         ctx.__exit__(None, None, None)
     assert len(errors) == 1 and "thread" in str(errors[0])
@@ -872,9 +873,10 @@ def test_backward_on_another_thread(policy_name):
         except BaseException as e:  # reported below
             errors.append(e)
 
-    t = threading.Thread(target=backward)
+    t = threading.Thread(target=backward, daemon=True)
     t.start()
-    t.join()
+    t.join(HANG_LIMIT_S)
+    assert not t.is_alive(), "backward hung"
     assert not errors, errors
     step = Step(collect(module, x, out), torch.get_rng_state(), [ctx])
     assert_step_equal(step, ref, "backward on another thread")
@@ -904,8 +906,10 @@ def test_regions_on_two_threads_at_once():
             barrier.abort()
 
     threads = [
-        threading.Thread(target=worker, args=("a", torch_sac.policies.recompute_all(), 1)),
-        threading.Thread(target=worker, args=("b", RecordingCallable(), 2)),
+        threading.Thread(
+            target=worker, args=("a", torch_sac.policies.recompute_all(), 1), daemon=True
+        ),
+        threading.Thread(target=worker, args=("b", RecordingCallable(), 2), daemon=True),
     ]
     for t in threads:
         t.start()
@@ -913,7 +917,8 @@ def test_regions_on_two_threads_at_once():
     x, w = small_inputs(9)
     torch.mm(x, w).sum()
     for t in threads:
-        t.join()
+        t.join(HANG_LIMIT_S)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
     assert not errors, errors
     for name, seed in (("a", 1), ("b", 2)):
         stats, out, gx, gw = results[name]
@@ -1769,7 +1774,9 @@ def test_custom_op_with_a_python_kernel_replays(backward_thread):
         loss = f()
     result = {}
     if backward_thread:
-        t = threading.Thread(target=lambda: result.update(g=torch.autograd.grad(loss, x)[0]))
+        t = threading.Thread(
+            target=lambda: result.update(g=torch.autograd.grad(loss, x)[0]), daemon=True
+        )
         t.start()
         t.join(timeout=HANG_LIMIT_S)
         assert not t.is_alive(), "backward hung"
