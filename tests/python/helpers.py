@@ -215,7 +215,7 @@ class ChildRun(NamedTuple):
     stderr: str
 
 
-def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None, env=None):
+def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None):
     """Runs ``code`` in a fresh interpreter and tells how it ended.
 
     The child imports torch and torch_sac first and says so; only then does
@@ -235,7 +235,6 @@ def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None, env=None):
     proc = subprocess.Popen(
         [sys.executable, "-c", launcher, code],
         cwd=cwd,
-        env=dict(os.environ) if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
