@@ -29,7 +29,14 @@ from torch.utils._pytree import tree_leaves
 
 from ._ignored_ops import IGNORED_OPS
 
-__all__ = ["OpRecord", "StorageRecord", "RegionProfile", "profile_region", "LiveStorages"]
+__all__ = [
+    "BlockSpan",
+    "OpRecord",
+    "StorageRecord",
+    "RegionProfile",
+    "profile_region",
+    "LiveStorages",
+]
 
 
 @dataclasses.dataclass
@@ -66,6 +73,22 @@ class OpRecord:
     #: in place later in the region.
     saveable: bool = True
     why_not: str = ""
+    #: Indices into RegionProfile.storages of its tensor arguments (distinct).
+    inputs: tuple = ()
+
+
+@dataclasses.dataclass
+class BlockSpan:
+    """One call of a module ``profile_region`` was asked to bracket."""
+
+    #: Index of the module in ``blocks``.
+    block: int
+    #: The records of the call are ``records[start:end]``.
+    start: int
+    end: int
+    #: Index into RegionProfile.storages of its first tensor argument's
+    #: storage (None: no tensor argument).
+    input_storage: Optional[int]
 
 
 @dataclasses.dataclass
@@ -78,6 +101,8 @@ class RegionProfile:
     #: Bytes of the distinct region storages the records' outputs hold: what
     #: saving every op would keep.
     total_bytes: int
+    #: The calls of the modules passed as ``blocks``, in call order.
+    spans: list = dataclasses.field(default_factory=list)
 
     def item_bytes(self, record):
         """Bytes of the region storages ``record``'s outputs keep alive."""
@@ -144,8 +169,7 @@ class _ProfileMode(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         # A storage an op reads before any op in the region produced it comes
         # from outside the region.
-        for t in inputs:
-            self.storage(t, internal=False, owner=None)
+        read = tuple(dict.fromkeys(self.storage(t, internal=False, owner=None) for t in inputs))
         # Ops under no_grad inside the region count too: the region and the
         # drop-in record them and number their calls (a custom Function's
         # body, a torch.no_grad() block), so the plan's keys must as well.
@@ -189,6 +213,7 @@ class _ProfileMode(TorchDispatchMode):
                 flops=flops,
                 storages=tuple(storages),
                 new_storages=new,
+                inputs=read,
             )
         )
         # The version each output has once the op returns to autograd: a
@@ -217,25 +242,54 @@ def cuda_devices(values):
     )
 
 
-def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
+def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks=()):
     """Runs ``fn(*args, **kwargs)`` once, with grad enabled, and profiles it.
 
     The global RNG state (CPU and the CUDA devices of the arguments) is
     restored afterwards; other side effects of ``fn`` (BatchNorm running
-    statistics, ...) happen once. Returns ``(RegionProfile, output)``.
+    statistics, ...) happen once. The calls of the modules in ``blocks`` are
+    bracketed (``RegionProfile.spans``). Returns ``(RegionProfile, output)``.
     """
     kwargs = kwargs or {}
     mode = _ProfileMode(IGNORED_OPS, repeats, count_flops)
     saved = []
+    spans = []
 
     def pack(t):
         saved.append(t)
         return t
 
-    with torch.random.fork_rng(devices=cuda_devices((args, kwargs))), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with mode:
-                out = fn(*args, **kwargs)
+    def enter(index):
+        def hook(module, block_args, block_kwargs):
+            first = next(
+                (t for t in tree_leaves((block_args, block_kwargs)) if isinstance(t, torch.Tensor)),
+                None,
+            )
+            storage = None if first is None else mode.storage(first, internal=False, owner=None)
+            spans.append(BlockSpan(index, len(mode.records), -1, storage))
+
+        return hook
+
+    def leave(index):
+        def hook(module, block_args, block_kwargs, output):
+            open_span = next((s for s in reversed(spans) if s.block == index and s.end < 0), None)
+            if open_span is not None:
+                open_span.end = len(mode.records)
+
+        return hook
+
+    handles = []
+    try:
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(enter(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(leave(i), with_kwargs=True))
+        with torch.random.fork_rng(devices=cuda_devices((args, kwargs))), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with mode:
+                    out = fn(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
     for t in saved:
         key, _ = _storage_key(t)
         idx = mode.storage_index.get(key)
@@ -257,7 +311,7 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True):
     for r in mode.records:
         held.update(s for s in r.storages if storages[s].internal)
     total = sum(storages[s].nbytes for s in held)
-    return RegionProfile(mode.records, storages, activation, total), out
+    return RegionProfile(mode.records, storages, activation, total, spans), out
 
 
 class LiveStorages(TorchDispatchMode):

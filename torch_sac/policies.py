@@ -12,7 +12,8 @@ engines, docs/design/layers.md); this front door exports them:
 :func:`budget_for_region` (a :class:`BudgetPolicy` for one region),
 :func:`budget_for_model` (a :class:`ModelBudget`, one plan per distinct
 block) and :func:`plan_peak` (a :class:`torch_sac.PeakPlan` for a peak of
-the whole step). :func:`budget` is the older single entry point that
+the whole step) and :func:`frontier` (the curve of peak against step time
+of such plans, with the recipes users write by hand on the same axes). :func:`budget` is the older single entry point that
 forwards to them.
 """
 
@@ -29,6 +30,7 @@ from .planners import (
     budget,
     budget_for_model,
     budget_for_region,
+    frontier,
     plan_peak,
 )
 from ._policy_conversion import op_patterns
@@ -46,6 +48,7 @@ __all__ = [
     "budget_for_region",
     "budget_for_model",
     "plan_peak",
+    "frontier",
     "budget",
     "BudgetPolicy",
     "ModelBudget",

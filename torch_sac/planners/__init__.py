@@ -14,8 +14,14 @@ The parts, each a module of this package (docs/design/layers.md):
 * ``budget_table``: how a budget plan reads (``PlanItem``, ``PlanRow``,
   the text of ``table()``);
 * ``peak_plan``: ``PeakPlan``, the peak planner's result, and its JSON form;
-* ``peak_search``: the search behind ``plan_peak`` (measured runs, budgets,
-  candidates);
+* ``peak_search``: the search behind ``plan_peak`` (measured runs: first
+  the plan over the step's blocks, then budgets and candidates);
+* ``block_options``: the step's blocks profiled once, and per block its
+  options (what it keeps, those bytes, the seconds backward replays);
+* ``chain``: the chain solver, a dynamic program choosing an option per
+  block and segments of blocks for a peak;
+* ``frontier``: the trade-off curve (``frontier``, ``Frontier``): plans at
+  several peaks and the recipes users write, measured side by side;
 * ``step_state``: what a planning run changes (buffers, ``.grad``), saved
   and put back;
 * ``block_calls``: one call of a model capturing each block's arguments;
@@ -42,6 +48,7 @@ from .budget_plan import (
     plan_peak,
 )
 from .budget_table import PlanItem, PlanRow
+from .frontier import Frontier, FrontierPoint, frontier
 from .peak_plan import PeakPlan
 
 __all__ = [
@@ -49,6 +56,9 @@ __all__ = [
     "budget_for_model",
     "budget_for_region",
     "plan_peak",
+    "frontier",
+    "Frontier",
+    "FrontierPoint",
     "BudgetPolicy",
     "ModelBudget",
     "PeakPlan",

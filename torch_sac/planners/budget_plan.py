@@ -28,6 +28,7 @@ from .budget_table import (
 )
 from .checks import (
     SOLVERS,
+    check_blocks,
     check_budget,
     check_callable,
     check_choice,
@@ -482,14 +483,24 @@ def plan_peak(
     example_kwargs: dict[str, Any] | None = None,
     *,
     peak_bytes: int,
+    blocks: str | Sequence[torch.nn.Module] | None = "auto",
 ) -> PeakPlan:
     r"""A plan for one region around the whole step, within a peak memory.
 
-    Plans for the measured peak of forward *and* backward, with multiple
-    recomputation: the plan chooses what forward keeps and the replay budget
-    backward rebuilds under, for ``fn`` as one region (a whole model or
-    step: no blocks to choose). ``fn`` runs forward and backward at most 10
-    times while planning (``plan.planning_runs``).
+    Plans for the measured peak of forward *and* backward. When the step
+    runs repeated blocks (found as :func:`torch_sac.apply_sac` finds them),
+    the plan chooses per block what it keeps (everything, the matmuls, the
+    budget planner's choice at a share of its activations, only its input)
+    and where several blocks are checkpointed as one, by a dynamic program
+    over the chain of blocks whose cost is the measured time of what
+    backward replays and whose memory is measured bytes (``plan.blocks``).
+    Per-block checkpointing, every k-th block, ``checkpoint_sequential`` and
+    selective checkpointing of the matmuls are each one point of that
+    space. Below what the blocks reach (or without blocks) the plan uses
+    multiple recomputation: it chooses what forward keeps and the replay
+    budget backward rebuilds under, for ``fn`` as one region. ``fn`` runs
+    forward and backward at most 10 times while planning
+    (``plan.planning_runs``).
 
     Args:
         fn: the step: a function whose output backward starts from, e.g.
@@ -500,6 +511,10 @@ def plan_peak(
         peak_bytes (int): the most the step may allocate above the level
             before the call (activations, rebuilt tensors, parameter
             gradients, outputs).
+        blocks: ``"auto"`` (default) plans over the repeated blocks of the
+            largest model ``fn`` refers to; a list of modules plans over
+            those (each must run once per step, one after the other);
+            ``None`` plans the step as one chain of op calls only.
 
     Returns:
         A :class:`~torch_sac.PeakPlan`: run it with
@@ -536,7 +551,8 @@ def plan_peak(
     where = "policies.plan_peak"
     check_callable(fn, where)
     args, kwargs = check_examples(example_args, example_kwargs, where)
-    return plan_for_peak(fn, args, kwargs, peak_bytes, where)
+    blocks = check_blocks(blocks, where)
+    return plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks)
 
 
 def budget(

@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "COSTS",
     "SOLVERS",
+    "check_blocks",
     "check_budget",
     "check_callable",
     "check_choice",
@@ -53,7 +54,35 @@ def check_choice(value, choices, name, where):
 # The planners' options: the keyword-only parameters of budget_for_region,
 # budget_for_model and plan_peak, all of which budget() takes. budget() uses
 # them to tell a misspelled option from a keyword argument of fn.
-_OPTIONS = ("bytes", "fraction", "peak_bytes", "cost", "solver", "repeats", "max_states", "modules")
+_OPTIONS = (
+    "bytes",
+    "fraction",
+    "peak_bytes",
+    "blocks",
+    "cost",
+    "solver",
+    "repeats",
+    "max_states",
+    "modules",
+)
+
+
+def check_blocks(blocks: object, where: str) -> str | list[torch.nn.Module] | None:
+    """``plan_peak``'s ``blocks=``: ``"auto"``, None or modules (a list)."""
+    if blocks is None or (isinstance(blocks, str) and blocks == "auto"):
+        return blocks
+    if isinstance(blocks, torch.nn.Module) or not isinstance(blocks, (list, tuple)):
+        raise TypeError(
+            f"torch_sac.{where}: blocks must be 'auto', None or a list of modules, got {blocks!r}"
+        )
+    blocks = list(blocks)
+    bad = [b for b in blocks if not isinstance(b, torch.nn.Module)]
+    if bad or len(blocks) < 2 or len({id(b) for b in blocks}) != len(blocks):
+        raise ValueError(
+            f"torch_sac.{where}: blocks must list two or more distinct modules"
+            + (f"; {bad[0]!r} is not an nn.Module" if bad else "")
+        )
+    return blocks
 
 
 def check_callable(fn: object, where: str) -> None:

@@ -14,15 +14,18 @@ from ..schedule import ReplaySchedule, as_call, read_json, write_json
 
 __all__ = ["PeakPlan"]
 
-# The format of to_dict()'s output. 2: the replays are "replayed_ops" and
-# "replay_seconds" (1 said "recomputed_ops" and "recompute_seconds", the
-# drop-in's former words); from_dict reads both.
-FORMAT = "torch_sac.peak_plan/2"
+# The format of to_dict()'s output. 3: "blocks", the option of each block
+# of a plan over the step's blocks (null otherwise). 2: the replays are
+# "replayed_ops" and "replay_seconds" (1 said "recomputed_ops" and
+# "recompute_seconds", the drop-in's former words). from_dict reads all
+# three.
+FORMAT = "torch_sac.peak_plan/3"
 _OLD_FORMATS = {
     "torch_sac.peak_plan/1": {
         "recomputed_ops": "replayed_ops",
         "recompute_seconds": "replay_seconds",
-    }
+    },
+    "torch_sac.peak_plan/2": {},
 }
 
 
@@ -51,14 +54,23 @@ class PeakPlan(RegionPlan):
         forward_seconds: one forward without checkpointing, for scale.
         replays_by_op: ``{op: [replays of each call]}`` in the planned run.
         solver: ``"none needed"`` (fits without checkpointing),
-            ``"optimal reversal"`` (one chain, whose first sweep covers every
+            ``"block chain"`` (an option per block of the step, or segments
+            of blocks, chosen by the chain solver on measured bytes and
+            seconds: :attr:`blocks`), ``"optimal reversal"`` (one chain, whose first sweep covers every
             call backward replays, and every rebuild chose by the optimal
             reversal of a chain of equal steps), ``"reversal per rebuild"``
             (the same choices, but over several chains or sweeps) or
             ``"spaced heuristic"``.
         optimal: whether no schedule in this family recomputes fewer steps
-            under ``replay_budget`` (true for the first two solvers; the
-            bound is in steps of the chain, proven by Revolve's recursion).
+            under ``replay_budget`` (true for ``"none needed"`` and
+            ``"optimal reversal"``; the bound is in steps of the chain,
+            proven by Revolve's recursion).
+        blocks: for a ``"block chain"`` plan, what each block of the step
+            keeps, in call order: ``"keep all"``, ``"matmuls"``,
+            ``"knapsack N%"`` (the budget planner's choice at N % of the
+            block's activations), ``"input"`` (checkpointed), or
+            ``"segment start"`` / ``"in segment"`` (several blocks
+            checkpointed as one, as ``checkpoint_sequential``); else None.
         solve_seconds: time the region spent choosing what rebuilds keep.
         measure_seconds: the time of the measured runs that found the plan.
         planning_runs: how many times planning called ``fn`` (forward and
@@ -116,6 +128,7 @@ class PeakPlan(RegionPlan):
         solve_seconds: float,
         measure_seconds: float,
         runs: int,
+        blocks: list[str] | None = None,
     ) -> None:
         self.peak_bytes = peak_bytes
         self.measured_peak = measured_peak
@@ -131,6 +144,7 @@ class PeakPlan(RegionPlan):
         self.solve_seconds = solve_seconds
         self.measure_seconds = measure_seconds
         self.planning_runs = runs
+        self.blocks = None if blocks is None else list(blocks)
 
     @property
     def recomputed_ops(self) -> int:
@@ -173,6 +187,7 @@ class PeakPlan(RegionPlan):
             "solve_seconds": self.solve_seconds,
             "measure_seconds": self.measure_seconds,
             "runs": self.planning_runs,
+            "blocks": None if self.blocks is None else list(self.blocks),
         }
 
     def table(self, max_rows: int = 20) -> str:
@@ -196,6 +211,8 @@ class PeakPlan(RegionPlan):
             f"{self.solve_seconds * 1e3:.2f} ms; {self.planning_runs} planning runs, "
             f"{self.measure_seconds:.2f} s",
         ]
+        if self.blocks is not None:
+            lines.append(f"  blocks: {block_runs(self.blocks)}")
         rows = []
         for op, replays in self.replays_by_op.items():
             rows.append(
@@ -262,14 +279,25 @@ class PeakPlan(RegionPlan):
                 f"torch_sac.PeakPlan.from_dict: saved must be null or a list of [op, call_index], "
                 f"got {saved!r}"
             )
+        blocks = data.get("blocks")
+        if blocks is not None and (
+            not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks)
+        ):
+            raise ValueError(
+                f"torch_sac.PeakPlan.from_dict: blocks must be null or a list of option names, "
+                f"got {blocks!r}"
+            )
         return cls(
             **{k: data[k] for k in names[:11]},
+            blocks=blocks,
             replay_budget=None if budget is None else ReplayBudget(*budget),
             saved=None if saved is None else [as_call(c) for c in saved],
             schedule=ReplaySchedule.from_dict(data["schedule"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes :meth:`to_dict` as JSON (:meth:`load` reads it, and the
+        formats before it)."""
         write_json(path, self.to_dict())
 
     @classmethod
@@ -281,3 +309,15 @@ class PeakPlan(RegionPlan):
             f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
             f"{format_bytes(self.peak_bytes)}, {self.replayed_ops} op replays, {self.solver}>"
         )
+
+
+def block_runs(blocks):
+    """Per-block options as runs: ``0-3 input, 4 matmuls, 5-7 segment``."""
+    parts, start = [], 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[start] or blocks[i] == "segment start":
+            name = blocks[start]
+            where = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            parts.append(f"{where} {name}")
+            start = i
+    return ", ".join(parts)

@@ -45,9 +45,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .. import _C, memory
-from .._op_profile import cuda_devices, format_bytes
+from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
+from .block_options import NotAChain, StepBlocks, find_step_blocks
+from .chain import model_peak, solve_chain
 from .peak_plan import PeakPlan
 from .step_state import StepState
 
@@ -77,6 +79,13 @@ _RESOLUTION = 1 / 32
 _OTHER_SHARE = 1 / 8
 # Room kept for the other share while the search refines: two runs.
 _SHARE_RUNS = 2
+# Runs of plans the chain solver chose (chain_search): the first, and the
+# same solver aimed lower by what the previous one measured over the peak.
+_CHAIN_RUNS = 3
+# The per-block checkpointing run is tried when the chain solver finds no
+# plan but its modelled peak is within this share of peak_bytes over it
+# (the model's error on the tests' models and the bench's: under 5 %).
+_CHAIN_SLACK = 0.1
 # What the search measures until a plan fits (search): budgets, halving,
 # then the least plans keeping the two sweeps that peaked least
 # (least_plan). Nine runs at most with the two before (the run without
@@ -211,11 +220,13 @@ def _first_sweep(schedule):
 class _Candidate:
     """A measured plan: its run, the calls forward keeps, its budget, and
     the recompute-everything run whose first sweep it keeps (under the same
-    budget: ``optimal`` may hold, see :func:`_solver`)."""
+    budget: ``optimal`` may hold, see :func:`_solver`); a plan of the chain
+    solver has its ``blocks`` (the option of each block) instead."""
 
-    def __init__(self, run, saved, budget, sweep, optimal=True):
+    def __init__(self, run, saved, budget, sweep, optimal=True, blocks=None):
         self.run, self.saved, self.budget, self.sweep = run, saved, budget, sweep
         self.optimal = optimal
+        self.blocks = blocks
 
 
 class _Planner:
@@ -223,8 +234,11 @@ class _Planner:
     (for the plan's run count and time), every plan it measured is a
     candidate, and it calls fn at most :data:`MAX_PLANNING_RUNS` times."""
 
-    def __init__(self, fn, args, kwargs, peak_bytes, where, state):
+    def __init__(self, fn, args, kwargs, peak_bytes, where, state, blocks="auto"):
         self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.blocks = blocks
+        self.chain_note = None  # why the chain solver made no plan
+        self.max_runs = MAX_PLANNING_RUNS
         self.peak_bytes, self.where, self.state = peak_bytes, where, state
         self.resolution = max(int(peak_bytes * _RESOLUTION), 1)
         self.measured = []
@@ -235,7 +249,7 @@ class _Planner:
         self.device = _device_of((args, kwargs)) or _device_of(state.keep) or torch.device("cpu")
 
     def runs_left(self):
-        return MAX_PLANNING_RUNS - len(self.measured)
+        return self.max_runs - len(self.measured)
 
     def run(self, policy=None, budget=None):
         with self.state.run():
@@ -254,6 +268,77 @@ class _Planner:
 
     def fits(self, run):
         return run.peak <= self.peak_bytes
+
+    def step_blocks(self):
+        """The step's blocks profiled as a chain (:class:`StepBlocks`), or
+        None (no repeated blocks, or not a chain: ``chain_note`` says why).
+        One run: a forward, profiled."""
+        if self.blocks is None:
+            return None
+        blocks = find_step_blocks(self.state.roots) if self.blocks == "auto" else self.blocks
+        if not blocks:
+            self.chain_note = "no repeated blocks found"
+            return None
+        start = time.perf_counter()
+        with self.state.run(), _gc_paused():
+            profile, out = profile_region(self.fn, self.args, self.kwargs, blocks=blocks)
+            del out
+        self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
+        try:
+            return StepBlocks(profile, blocks)
+        except NotAChain as e:
+            self.chain_note = str(e)
+            return None
+
+    def chain_search(self):
+        """A plan over the step's blocks, or None (:meth:`chain_for`)."""
+        step = self.step_blocks()
+        if step is None:
+            return None
+        return self.chain_for(step, self.peak_bytes)
+
+    def chain_for(self, step, peak_bytes):
+        """A plan over the step's blocks (``block_options.py``, ``chain.py``):
+        per block an option, or segments of blocks, chosen for the least
+        modelled recompute time under ``peak_bytes``, then measured; the
+        model's error measured on a plan that did not fit aims the next one
+        lower. Returns a fitting candidate, or None (``chain_note`` says
+        why)."""
+        chain = step.chain
+        # The constant of the model: what the run without checkpointing
+        # measured above the modelled keeping of every block's activations.
+        base = self.plain.peak - model_peak(chain, step.recipe("keep all"), 0, 0)
+        resolution = max(int(peak_bytes * _RESOLUTION), 1)
+        offset, tried = 0, []
+        self.chain_note = None
+        for _ in range(_CHAIN_RUNS):
+            if self.runs_left() < 1:
+                break
+            solution = solve_chain(chain, peak_bytes - offset, base, base)
+            if solution is None:
+                per_block = step.recipe("input")
+                if tried or model_peak(chain, per_block, base, base) > peak_bytes * (
+                    1 + _CHAIN_SLACK
+                ):
+                    self.chain_note = "the chain's modelled least peak is above peak_bytes"
+                    break
+                choices, seconds = per_block, sum(b.full_seconds for b in chain)
+            else:
+                choices, seconds = list(solution.choices), solution.seconds
+            saved = step.saved_calls(choices)
+            if saved in tried:
+                break
+            tried.append(saved)
+            run = self.run(ReplaySchedule([], saved).policy())
+            run.modelled_seconds = seconds
+            if run.peak <= peak_bytes:
+                return _Candidate(
+                    run, saved, None, None, optimal=False, blocks=[c.option for c in choices]
+                )
+            offset += run.peak - peak_bytes + resolution
+        if self.chain_note is None:
+            self.chain_note = f"{len(tried)} chain plans measured over peak_bytes"
+        return None
 
     def best(self):
         """The fitting candidate with the least estimated replay cost (the
@@ -437,7 +522,7 @@ class _Planner:
         )
 
 
-def plan_for_peak(fn, args, kwargs, peak_bytes, where):
+def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto"):
     """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
     if (
         isinstance(peak_bytes, bool)
@@ -453,7 +538,7 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where):
     state = StepState()
     try:
         state.find(fn, args, kwargs)
-        return _find_plan(_Planner(fn, args, kwargs, int(peak_bytes), where, state))
+        return _find_plan(_Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks))
     finally:
         state.restore()
 
@@ -468,6 +553,9 @@ def _find_plan(planner):
         planner.candidates.append(candidate)
         if planner.fits(kept):
             return _plan(planner, plain, candidate, "none needed")
+    chained = planner.chain_search()
+    if chained is not None:
+        return _plan(planner, plain, chained, "block chain")
     planner.search()
     best = planner.best()
     if best is None:
@@ -522,4 +610,5 @@ def _plan(planner, plain, best, solver):
         solve_seconds=run.stats.get("budget_choice_ns", 0) / 1e9,
         measure_seconds=sum(r.seconds for r in planner.measured),
         runs=len(planner.measured),
+        blocks=best.blocks,
     )

@@ -145,12 +145,17 @@ class StepState:
         self.buffers = []  # (module, name, tensor, copy)
         self.grads = {}  # id(tensor) -> (tensor, its .grad before planning)
         self.modules = set()
+        # The outermost modules found: those fn refers to, then those a run
+        # calls that are not inside one already found (a parent's pre-hook
+        # runs before its children's).
+        self.roots = []
         self.keep = []  # what the ids above refer to, kept alive
         self.thread = threading.get_ident()
 
     def find(self, fn, args, kwargs):
         """Saves the state of what fn refers to, before the first run."""
         modules, tensors = _referenced((fn, args, kwargs))
+        self.roots = list(modules)
         for module in modules:
             self.add_module(module)
         for t in tensors:
@@ -178,6 +183,7 @@ class StepState:
 
     def _pre_hook(self, module, args):
         if id(module) not in self.modules and threading.get_ident() == self.thread:
+            self.roots.append(module)
             self.add_module(module)
 
     @contextlib.contextmanager

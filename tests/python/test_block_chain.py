@@ -1,0 +1,306 @@
+"""Plans over a step's blocks: the chain solver against brute force, the
+recipes as points of its space, ``plan_peak`` over Hugging Face models'
+blocks (fits, bitwise, saved and loaded) and ``frontier``."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import torch_sac
+from torch_sac.planners.chain import (
+    BlockChoice,
+    ChainBlock,
+    ChainOption,
+    model_peak,
+    solve_chain,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------
+# The chain solver
+# --------------------------------------------------------------------------
+
+
+def random_chain(rng, n):
+    blocks = []
+    for _ in range(n):
+        activation = rng.randint(50, 200)
+        input_bytes = rng.randint(1, 10)
+        full = rng.uniform(1.0, 5.0)
+        options = [ChainOption("keep all", activation, 0.0)]
+        for k in range(rng.randint(0, 2)):
+            kept = rng.randint(input_bytes, activation)
+            options.append(ChainOption(f"opt{k}", kept, full * (1 - kept / activation)))
+        options.append(ChainOption("input", input_bytes, full))
+        blocks.append(ChainBlock(tuple(options), input_bytes, activation, full, rng.randint(0, 20)))
+    return blocks
+
+
+def every_choice(blocks):
+    """Every segmentation and option of a small chain: (choices, seconds)."""
+    n = len(blocks)
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        segments, start = [], 0
+        for i, cut in enumerate(cuts, start=1):
+            if cut:
+                segments.append((start, i - 1))
+                start = i
+        segments.append((start, n - 1))
+        singles = [j for j, e in segments if j == e]
+        for picks in itertools.product(*(range(len(blocks[j].options)) for j in singles)):
+            pick = dict(zip(singles, picks))
+            choices, seconds = [], 0.0
+            for j, e in segments:
+                if j == e:
+                    option = blocks[j].options[pick[j]]
+                    choices.append(BlockChoice(option.name, (j, j)))
+                    seconds += option.seconds
+                else:
+                    choices.append(BlockChoice("segment start", (j, e)))
+                    choices += [BlockChoice("in segment", (j, e))] * (e - j)
+                    seconds += sum(b.full_seconds for b in blocks[j : e + 1])
+            yield choices, seconds
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_chain_solver_is_optimal_up_to_its_rounding(seed):
+    rng = random.Random(seed)
+    blocks = random_chain(rng, rng.randint(1, 5))
+    base, forward_base = rng.randint(0, 100), rng.randint(0, 100)
+    everything = list(every_choice(blocks))
+    peaks = sorted(model_peak(blocks, c, base, forward_base) for c, _ in everything)
+    for peak in (peaks[0], peaks[len(peaks) // 2], peaks[-1], peaks[0] - 1):
+        solution = solve_chain(blocks, peak, base, forward_base)
+        fitting = [s for c, s in everything if model_peak(blocks, c, base, forward_base) <= peak]
+        if solution is None:
+            # Nothing fits, or only by less than the rounding (a slot per block).
+            room = (peak - base) / 400 * (len(blocks) + 1)
+            tight = [
+                s
+                for c, s in everything
+                if model_peak(blocks, c, base, forward_base) <= peak - room
+            ]
+            assert not tight
+            continue
+        assert solution.peak <= peak
+        assert solution.peak == model_peak(blocks, list(solution.choices), base, forward_base)
+        assert fitting and solution.seconds >= min(fitting) - 1e-9
+        # Within the rounding of the optimum: as good as any choice that
+        # fits a slot per block below the peak.
+        room = (peak - base) / 400 * (len(blocks) + 1)
+        tight = [s for c, s in everything if model_peak(blocks, c, base, forward_base) <= peak - room]
+        if tight:
+            assert solution.seconds <= min(tight) + 1e-9
+
+
+def test_recipes_are_points_of_the_space_and_more_memory_is_never_slower():
+    rng = random.Random(7)
+    blocks = random_chain(rng, 12)
+    per_block = [BlockChoice("input", (j, j)) for j in range(12)]
+    keep_all = [BlockChoice("keep all", (j, j)) for j in range(12)]
+    segments = []
+    for j in range(0, 12, 3):
+        segments += [BlockChoice("segment start", (j, j + 2))]
+        segments += [BlockChoice("in segment", (j, j + 2))] * 2
+    for recipe, seconds in (
+        (per_block, sum(b.full_seconds for b in blocks)),
+        (keep_all, 0.0),
+        (segments, sum(b.full_seconds for b in blocks)),
+    ):
+        # A little room for the slots' rounding.
+        peak = model_peak(blocks, recipe, 1000, 1000) + 12 * 3
+        solution = solve_chain(blocks, peak, 1000, 1000)
+        assert solution is not None and solution.seconds <= seconds + 1e-9
+    last = float("inf")
+    for peak in range(model_peak(blocks, per_block, 1000, 1000) + 40, 4000, 50):
+        solution = solve_chain(blocks, peak, 1000, 1000)
+        assert solution is not None
+        assert solution.seconds <= last + 1e-9
+        last = solution.seconds
+
+
+def test_nothing_fits_below_the_constant():
+    blocks = random_chain(random.Random(1), 3)
+    assert solve_chain(blocks, 100, 100, 0) is None
+    assert solve_chain(blocks, 100, 0, 200) is None
+    assert solve_chain([], 100, 0, 0) is None
+
+
+# --------------------------------------------------------------------------
+# plan_peak over a model's blocks
+# --------------------------------------------------------------------------
+
+
+def hf_model(kind):
+    from hf_tiny import VOCAB, gpt2_config, llama_config
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1234)
+    if kind == "llama":
+        config = llama_config(use_cache=False)
+        config.num_hidden_layers = 6
+        model = transformers.LlamaForCausalLM(config)
+        layers = list(model.model.layers)
+    else:  # GPT-2 with its dropouts (0.1)
+        config = gpt2_config(use_cache=False)
+        config.n_layer = 6
+        model = transformers.GPT2LMHeadModel(config)
+        layers = list(model.transformer.h)
+    model.train()
+    # Activations large enough against the gradients for checkpointing to pay.
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(99))
+    return model, dict(input_ids=ids, labels=ids), layers
+
+
+def run_step(model, batch, ctx=None):
+    """Loss and every gradient of one step, from RUN_SEED; the peak."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with torch_sac.memory.track() as m:
+        if ctx is None:
+            loss = model(**batch).loss
+        else:
+            with ctx:
+                loss = model(**batch).loss
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, m.peak
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_plan_over_blocks_fits_and_is_bitwise(kind, tmp_path):
+    model, batch, layers = hf_model(kind)
+
+    def step():
+        return model(**batch).loss
+
+    want_loss, want_grads, _ = run_step(model, batch)
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7))
+    assert plan.solver == "block chain", plan.table()
+    assert plan.measured_peak <= plan.peak_bytes
+    assert plan.replay_budget is None and len(plan.blocks) == len(layers)
+    assert "blocks: " in plan.table()
+    assert plan.planning_runs <= 10
+    got_loss, got_grads, _ = run_step(model, batch, torch_sac.sac_context(plan))
+    assert torch.equal(got_loss, want_loss)
+    for g, w in zip(got_grads, want_grads):
+        assert torch.equal(g, w)
+    plan.save(tmp_path / "plan.json")
+    loaded = torch_sac.PeakPlan.load(tmp_path / "plan.json")
+    assert loaded.blocks == plan.blocks and loaded.to_dict() == plan.to_dict()
+    got_loss, got_grads, _ = run_step(model, batch, torch_sac.sac_context(loaded))
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+
+
+def test_no_refusal_at_per_block_checkpointing_peak():
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    def checkpointed(forward, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    import functools
+
+    for layer in layers:
+        layer.forward = functools.partial(checkpointed, layer.forward)
+    try:
+        _, _, per_block_peak = run_step(model, batch)
+    finally:
+        for layer in layers:
+            del layer.forward
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=per_block_peak)
+    assert plan.measured_peak <= per_block_peak
+
+
+def test_blocks_none_plans_the_op_chain_and_bad_blocks_raise():
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7), blocks=None)
+    assert plan.solver != "block chain" and plan.blocks is None
+    explicit = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7), blocks=layers)
+    assert explicit.solver == "block chain"
+    with pytest.raises(TypeError, match="blocks must be"):
+        torch_sac.policies.plan_peak(step, peak_bytes=plain, blocks=layers[0])
+    with pytest.raises(ValueError, match="two or more distinct modules"):
+        torch_sac.policies.plan_peak(step, peak_bytes=plain, blocks=[layers[0], layers[0]])
+    with pytest.raises(ValueError, match="not an nn.Module"):
+        torch_sac.policies.plan_peak(step, peak_bytes=plain, blocks=[layers[0], 3])
+
+
+def test_blocks_called_twice_fall_back_to_the_op_chain():
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+    x = torch.randn(256, 64)
+
+    def step():
+        h = x
+        for _ in range(2):  # each block runs twice: not a chain of blocks
+            for b in blocks:
+                h = torch.tanh(b(h))
+        return h.sum()
+
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.6))
+    assert plan.solver != "block chain"
+
+
+# --------------------------------------------------------------------------
+# frontier
+# --------------------------------------------------------------------------
+
+
+def test_frontier_measures_plans_and_recipes(tmp_path):
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    f = torch_sac.policies.frontier(step, fractions=(0.8, 0.5), rounds=1)
+    labels = [p.label for p in f.points]
+    assert labels[0] == "no checkpointing"
+    for recipe in (
+        "checkpoint per block",
+        "checkpoint every 2nd block",
+        "PyTorch SAC matmuls per block",
+        "torch_sac save_matmuls per block",
+    ):
+        assert recipe in labels
+    plans = [p for p in f.points if p.kind == "plan"]
+    assert plans and all(p.peak <= p.target for p in plans)
+    assert all(len(p.blocks) == len(layers) for p in plans)
+    front = f.pareto()
+    assert [p.peak for p in front] == sorted(p.peak for p in front)
+    assert all(a.seconds > b.seconds for a, b in zip(front, front[1:]))
+    assert "no checkpointing" in f.table()
+    # The model is left as it was, patched forwards removed.
+    assert all("forward" not in vars(layer) for layer in layers)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    pytest.importorskip("matplotlib")
+    path = f.plot(str(tmp_path / "frontier.png"))
+    assert (tmp_path / "frontier.png").stat().st_size > 1000 and path.endswith(".png")
+
+
+def test_frontier_needs_blocks():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="cannot be planned over blocks"):
+        torch_sac.policies.frontier(lambda: lin(x).sum(), rounds=1)
+    with pytest.raises(ValueError, match="fractions"):
+        torch_sac.policies.frontier(lambda: lin(x).sum(), fractions=(1.5,))
+    with pytest.raises(ValueError, match="rounds"):
+        torch_sac.policies.frontier(lambda: lin(x).sum(), rounds=0)

@@ -1,0 +1,228 @@
+"""Per-block options of a step, measured once: what each block can keep in
+forward, what that keeps (bytes) and what backward then replays (seconds),
+from one profiled forward (``torch_sac._op_profile``) whose block calls are
+bracketed. The chain solver (``chain.py``) chooses among them; a solution
+becomes the op calls a region saves (:meth:`StepBlocks.saved_calls`).
+
+Options of a block that is a checkpoint segment of its own (each keeps the
+block's input, so backward can rebuild it):
+
+* ``keep all``: every op call (no checkpointing of the block);
+* ``matmuls``: the matmul-class ops (:data:`torch_sac.policies.MATMUL_OPS`),
+  PyTorch's selective checkpointing recipe;
+* ``knapsack N%``: the budget planner's solution (``_C.budget_solve``, value
+  the calls' measured time) at N % of the block's activations;
+* ``input``: nothing but the input (``torch.utils.checkpoint`` on the block).
+
+A block that starts a longer segment keeps only its input; the blocks after
+it in the segment keep nothing (``checkpoint_sequential``). What runs
+outside the blocks (embeddings, the head, the loss) is always kept.
+"""
+
+from __future__ import annotations
+
+from .. import _C
+from .._blocks import find_blocks
+from .._op_profile import RegionProfile
+from .chain import BlockChoice, ChainBlock, ChainOption
+
+__all__ = ["KNAPSACK_SHARES", "StepBlocks", "find_step_blocks", "op_name"]
+
+# The knapsack options' budgets, as shares of a block's activations.
+KNAPSACK_SHARES = (0.25, 0.5, 0.75)
+
+_MATMULS = frozenset(_C.matmul_op_names())
+
+
+def op_name(op):
+    """An OpOverload as schedules and saved calls name it (``aten::mm.default``)."""
+    return f"{op._schema.name}.{op._schema.overload_name or 'default'}"
+
+
+def find_step_blocks(modules):
+    """The repeated blocks of the largest model among ``modules`` (those a
+    step refers to), as :func:`~torch_sac._blocks.find_blocks` finds them for
+    ``apply_sac``; ``[]`` when none has two or more."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    best = []
+    for m in modules:
+        if id(m) in inner:
+            continue
+        blocks = find_blocks(m)
+        if len(blocks) > len(best):
+            best = blocks
+    return best if len(best) >= 2 else []
+
+
+class NotAChain(Exception):
+    """The profiled step is not a chain of its blocks (why in the message)."""
+
+
+class StepBlocks:
+    """The step's blocks as the chain solver sees them.
+
+    Built from a :class:`~torch_sac._op_profile.RegionProfile` of one
+    forward whose ``spans`` bracket the modules ``blocks``; raises :class:`NotAChain`
+    unless each block ran exactly once, one after the other.
+
+    Attributes:
+        chain: the :class:`~torch_sac.planners.chain.ChainBlock` of each block.
+        outside: record indices of the calls outside the blocks (always kept).
+    """
+
+    def __init__(self, profile: RegionProfile, blocks):
+        n = len(blocks)
+        spans = sorted(profile.spans, key=lambda s: s.start)
+        ran = [s.block for s in spans]
+        if sorted(ran) != list(range(n)):
+            counts = {b: ran.count(b) for b in range(n) if ran.count(b) != 1}
+            raise NotAChain(f"blocks not called exactly once in the step: {counts}")
+        if ran != list(range(n)):
+            raise NotAChain("the blocks did not run in the order the model lists them")
+        for a, b in zip(spans, spans[1:]):
+            if a.end < 0 or a.end > b.start:
+                raise NotAChain("a block ran inside another")
+        self.profile = profile
+        self.modules = list(blocks)
+        self.spans = spans
+        records, storages = profile.records, profile.storages
+        owner_block = {}
+        for s in spans:
+            for i in range(s.start, s.end):
+                owner_block[i] = s.block
+        self.outside = [i for i in range(len(records)) if i not in owner_block]
+        # The storage each block reads as its input, and the call that made
+        # it when that call is in the previous block (a boundary to keep).
+        boundaries = set()
+        self.input_calls = []
+        input_bytes = []
+        for s in spans:
+            st = None if s.input_storage is None else storages[s.input_storage]
+            owner = None if st is None else st.owner
+            if st is not None and st.internal and owner is not None and owner in owner_block:
+                boundaries.add(s.input_storage)
+                self.input_calls.append(owner)
+                input_bytes.append(st.nbytes)
+            else:
+                # Made outside the blocks (kept anyway) or outside the step.
+                self.input_calls.append(None)
+                input_bytes.append(0)
+        self.options = []  # per block: [(ChainOption, saved record indices)]
+        chain = []
+        for s, in_bytes, module in zip(spans, input_bytes, blocks):
+            calls = [i for i in range(s.start, s.end) if records[i].saveable]
+
+            def kept(saved, in_bytes=in_bytes, span=s):
+                # A saved call's storage stays if autograd saves it, or if a
+                # call the region replays reads it (the tape holds a replay's
+                # inputs that it cannot rebuild). A call that makes no new
+                # storage (a view, an in-place op) is not replayed on its own.
+                chosen = set(saved)
+                read_by_replayed = {
+                    st
+                    for i in range(span.start, span.end)
+                    if i not in chosen and records[i].new_storages
+                    for st in records[i].inputs
+                }
+                held = {
+                    st
+                    for i in saved
+                    for st in records[i].storages
+                    if storages[st].internal
+                    and (storages[st].saved_by_autograd or st in read_by_replayed)
+                    and st not in boundaries
+                }
+                return in_bytes + sum(storages[st].nbytes for st in held)
+
+            every = range(s.start, s.end)
+            full_seconds = sum(records[i].seconds for i in every)
+
+            def option(name, saved, every=every):
+                saved = sorted(saved)
+                chosen = set(saved)
+                seconds = sum(records[i].seconds for i in every if i not in chosen)
+                return ChainOption(name, kept(saved), seconds), saved
+
+            options = [option("keep all", calls)]
+            options.append(
+                option("matmuls", [i for i in calls if records[i].op._schema.name in _MATMULS])
+            )
+            activation = kept(calls)
+            for share in KNAPSACK_SHARES:
+                options.append(
+                    option(f"knapsack {share:.0%}", self._knapsack(calls, int(share * activation)))
+                )
+            options.append(option("input", []))
+            options = _distinct(options)
+            self.options.append(options)
+            chain.append(
+                ChainBlock(
+                    options=tuple(o for o, _ in options),
+                    input_bytes=in_bytes,
+                    activation=activation,
+                    full_seconds=full_seconds,
+                    grad=sum(
+                        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+                    ),
+                )
+            )
+        self.chain = chain
+
+    def _knapsack(self, calls, budget):
+        """The calls the budget planner's solver saves within ``budget`` bytes
+        of the block's storages, valued by their measured time."""
+        if not calls:
+            return []
+        records, storages = self.profile.records, self.profile.storages
+        storage_bytes = [s.nbytes if s.internal else 0 for s in storages]
+        solution = _C.budget_solve(
+            storage_bytes,
+            [records[i].seconds for i in calls],
+            [list(records[i].storages) for i in calls],
+            budget,
+            "auto",
+        )
+        return [calls[j] for j in solution["chosen"]]
+
+    def saved_calls(self, choices: list[BlockChoice]) -> list[tuple[str, int]]:
+        """The op calls a region keeps for ``choices`` (one per block):
+        everything outside the blocks, each segment's input, and each
+        single-block segment's option."""
+        records = self.profile.records
+        saved = {i for i in self.outside if records[i].saveable}
+        for block, choice in enumerate(choices):
+            if choice.option == "in segment":
+                continue
+            if self.input_calls[block] is not None:
+                saved.add(self.input_calls[block])
+            if choice.option != "segment start":
+                names = {o.name: calls for o, calls in self.options[block]}
+                saved.update(names[choice.option])
+        return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
+
+    def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
+        """The choices of a hand-written recipe: every block keeping option
+        ``name``, or (``every`` > 1) segments of ``every`` blocks."""
+        n = len(self.chain)
+        if every <= 1:
+            return [BlockChoice(name, (j, j)) for j in range(n)]
+        choices = []
+        for j in range(0, n, every):
+            e = min(n, j + every) - 1
+            if e == j:
+                choices.append(BlockChoice("input", (j, j)))
+            else:
+                choices.append(BlockChoice("segment start", (j, e)))
+                choices += [BlockChoice("in segment", (j, e))] * (e - j)
+        return choices
+
+
+def _distinct(options):
+    """Options saving the same calls once (the first name kept)."""
+    seen, kept = set(), []
+    for option, saved in options:
+        key = tuple(saved)
+        if key not in seen:
+            seen.add(key)
+            kept.append((option, saved))
+    return kept

@@ -1,0 +1,194 @@
+"""The chain solver: per block of a step, which option (what the block keeps
+in forward) and where checkpoint segments start, so that the modelled peak
+fits and the modelled recompute time is least. A dynamic program over the
+chain of blocks (Rotor's and Rockmate's family: heterogeneous blocks,
+several options each), in measured bytes and measured seconds.
+
+The model of one step (``block_options.py`` measures its terms):
+
+* Forward keeps, per block, what its option keeps (``kept``); a block
+  starting a segment of several blocks keeps only its input, and the
+  blocks after it in the segment keep nothing (``checkpoint_sequential``).
+* Backward of a segment ``[j..e]`` starts by rebuilding all of it: while
+  block ``e``'s backward runs, memory holds what blocks before ``j`` keep,
+  the segment's full activations (``activation``, input included), and the
+  parameters' gradients of blocks ``e`` and after (``grad``).
+* Forward's end holds what every block keeps.
+* Everything else (parameters, what runs outside the blocks, workspace,
+  the outputs) is a constant of the step, ``base`` (backward) and
+  ``forward_base`` (forward's end), calibrated from measured peaks.
+
+Recompute: a block keeping option ``o`` replays ``o.seconds``; a segment of
+several blocks replays all of them (their ``full_seconds``).
+
+Every recipe users write by hand is one point of this space: no
+checkpointing (every block keeps everything), per-block checkpointing
+(every block keeps its input), every k-th block, ``checkpoint_sequential``
+(segments), per-block selective policies (an option). So the solution's
+modelled time is never above theirs at their modelled peak.
+
+Memory is counted in slots of ``(peak - base) / slots`` bytes, rounded up for
+what is kept and needed (so a modelled fit is a fit), which makes the
+program ``O(blocks^2 * slots)`` array steps (numpy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["BlockChoice", "ChainBlock", "ChainOption", "ChainSolution", "solve_chain", "model_peak"]
+
+# Memory slots of the program: the rounding loses at most one slot per
+# block of the peak asked above ``base`` (0.25 % each).
+SLOTS = 400
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainOption:
+    """What a block keeps when it ends its own segment: ``kept`` bytes
+    (its input included), ``seconds`` of replay in backward."""
+
+    name: str
+    kept: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainBlock:
+    """One block of the chain.
+
+    Attributes:
+        options: the block's options when it is a segment of its own.
+        input_bytes: what it keeps when it starts a longer segment.
+        activation: its full activations (what backward holds of it once
+            rebuilt), its input included.
+        full_seconds: replaying all of it.
+        grad: bytes of its parameters' gradients.
+    """
+
+    options: tuple[ChainOption, ...]
+    input_bytes: int
+    activation: int
+    full_seconds: float
+    grad: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockChoice:
+    """A block's part of a solution: ``option`` (a :class:`ChainOption`'s
+    name, or ``"segment start"`` / ``"in segment"``) and its segment."""
+
+    option: str
+    segment: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSolution:
+    choices: tuple[BlockChoice, ...]
+    seconds: float
+    peak: int  # the modelled peak, base included
+
+
+def _segment_kept(blocks, choice_index, j, e):
+    if e == j:
+        return blocks[j].options[choice_index].kept
+    return blocks[j].input_bytes
+
+
+def model_peak(blocks, choices, base, forward_base):
+    """The modelled peak of ``choices`` (a list of :class:`BlockChoice`)."""
+    index = {(j, o.name): k for j, b in enumerate(blocks) for k, o in enumerate(b.options)}
+    grads_after = np.cumsum([b.grad for b in blocks][::-1])[::-1].tolist() + [0]
+    kept_before, peak, j = 0, 0, 0
+    while j < len(blocks):
+        e = choices[j].segment[1]
+        activation = sum(b.activation for b in blocks[j : e + 1])
+        peak = max(peak, base + kept_before + activation + grads_after[e])
+        if e == j:
+            kept_before += blocks[j].options[index[(j, choices[j].option)]].kept
+        else:
+            kept_before += blocks[j].input_bytes
+        j = e + 1
+    return max(peak, forward_base + kept_before)
+
+
+def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS):
+    """The least modelled recompute time whose modelled peak is at most
+    ``peak``, or None when no choice fits.
+
+    Args:
+        blocks: the chain, a sequence of :class:`ChainBlock`.
+        peak: the peak asked, bytes.
+        base, forward_base: the step's constant bytes in backward and at
+            forward's end.
+        max_segment: the longest segment tried (default: all blocks).
+        slots: memory slots of the program.
+    """
+    n = len(blocks)
+    room = peak - base
+    if n == 0 or room <= 0 or peak - forward_base < 0:
+        return None
+    quantum = room / slots
+    to_slots = lambda b: math.ceil(b / quantum - 1e-9) if b > 0 else 0  # noqa: E731
+    max_segment = n if max_segment is None else max(1, min(max_segment, n))
+    grads_after = np.cumsum([b.grad for b in blocks][::-1])[::-1].tolist() + [0]
+    memory = np.arange(slots + 1)
+    # cost[j][m]: least recompute of blocks j.. with m slots left above
+    # what blocks before j keep; inf where nothing fits.
+    cost = np.full((n + 1, slots + 1), np.inf)
+    end_room = to_slots(max(0, forward_base - base)) if forward_base > base else 0
+    cost[n][end_room:] = 0.0
+    # choice[j][m]: (segment end, option index or -1)
+    choice_end = np.full((n + 1, slots + 1), -1, dtype=np.int64)
+    choice_option = np.full((n + 1, slots + 1), -1, dtype=np.int64)
+    for j in range(n - 1, -1, -1):
+        best = cost[j]
+        activation = 0
+        replay = 0.0
+        for e in range(j, min(n, j + max_segment)):
+            activation += blocks[e].activation
+            replay += blocks[e].full_seconds
+            need = to_slots(activation + grads_after[e])
+            if need > slots:
+                break
+            if e == j:
+                alternatives = [
+                    (k, o.seconds, to_slots(o.kept)) for k, o in enumerate(blocks[j].options)
+                ]
+            else:
+                # The segment start replays all of itself too: its seconds
+                # are those of keeping only its input.
+                alternatives = [(-1, replay, to_slots(blocks[j].input_bytes))]
+            for k, seconds, kept in alternatives:
+                if kept > slots:
+                    continue
+                # m slots left: this segment needs `need`, and leaves m - kept.
+                rest = np.full(slots + 1, np.inf)
+                rest[kept:] = cost[e + 1][: slots + 1 - kept]
+                total = np.where(memory >= max(need, kept), seconds + rest, np.inf)
+                better = total < best
+                if better.any():
+                    best = np.where(better, total, best)
+                    choice_end[j][better] = e
+                    choice_option[j][better] = k
+        cost[j] = best
+    if not math.isfinite(cost[0][slots]):
+        return None
+    choices, j, m = [], 0, slots
+    while j < n:
+        e, k = int(choice_end[j][m]), int(choice_option[j][m])
+        if e == j:
+            option = blocks[j].options[k]
+            choices.append(BlockChoice(option.name, (j, j)))
+            m -= to_slots(option.kept)
+        else:
+            choices.append(BlockChoice("segment start", (j, e)))
+            choices += [BlockChoice("in segment", (j, e))] * (e - j)
+            m -= to_slots(blocks[j].input_bytes)
+        j = e + 1
+    return ChainSolution(
+        tuple(choices), float(cost[0][slots]), model_peak(blocks, choices, base, forward_base)
+    )

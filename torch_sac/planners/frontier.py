@@ -1,0 +1,340 @@
+"""The trade-off curve of a step: peak memory against step time for plans
+over the step's blocks at several peaks, with the recipes users write by
+hand measured on the same axes (:func:`frontier`, :class:`Frontier`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from .. import _C
+from .._op_profile import format_bytes
+from ..region import in_region
+from ..schedule import ReplaySchedule
+from .checks import check_blocks, check_callable, check_examples
+from .peak_search import _Planner
+from .step_state import StepState
+
+__all__ = ["Frontier", "FrontierPoint", "frontier"]
+
+# The peaks planned by default, as shares of no checkpointing's peak (with
+# a plan at each recipe's peak too).
+FRACTIONS = (0.8, 0.6, 0.5, 0.4, 0.35, 0.3)
+
+
+class FrontierPoint:
+    """One measured way to run the step.
+
+    Attributes:
+        label: what it is (``"plan @ 0.40x"``, ``"checkpoint per block"``).
+        kind: ``"plan"``, ``"recipe"`` or ``"none"`` (no checkpointing).
+        peak: measured peak, bytes (as :func:`~torch_sac.policies.plan_peak`
+            measures it).
+        seconds: median step time (forward and backward) over the rounds.
+        target: for a plan, the peak it was planned for.
+        blocks: for a plan, the option of each block.
+        policy: how to run it: for a plan, its forward policy for one
+            ``sac_context`` around the step.
+    """
+
+    def __init__(self, label, kind, run, target=None, blocks=None, policy=None):
+        self.label, self.kind, self.target, self.blocks = label, kind, target, blocks
+        self.policy = policy
+        self._run = run
+        self.times = []
+        self.peak = None
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times) if self.times else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "peak": self.peak,
+            "seconds": self.seconds,
+            "times": list(self.times),
+            "target": self.target,
+            "blocks": self.blocks,
+        }
+
+    def __repr__(self):
+        return (
+            f"<FrontierPoint {self.label}: {format_bytes(self.peak)}, {self.seconds * 1e3:.1f} ms>"
+        )
+
+
+class Frontier:
+    """What :func:`frontier` measured: :attr:`points` (no checkpointing
+    first, then the recipes, then the plans), :meth:`pareto` (the points no
+    other point beats in both peak and time), :meth:`table`, :meth:`plot`."""
+
+    def __init__(self, points: list[FrontierPoint], rounds: int):
+        self.points = points
+        self.rounds = rounds
+        self.none = points[0]
+
+    def pareto(self) -> list[FrontierPoint]:
+        """The points on the curve, by peak: each is faster than every point
+        with a lower or equal peak."""
+        front, best = [], math.inf
+        for p in sorted(self.points, key=lambda p: (p.peak, p.seconds)):
+            if p.seconds < best:
+                front.append(p)
+                best = p.seconds
+        return front
+
+    def table(self) -> str:
+        """Each point: peak and time, and both as ratios to no checkpointing."""
+        front = {id(p) for p in self.pareto()}
+        lines = [
+            f"{'':2}{'point':<34} {'peak':>10} {'x none':>7} {'step ms':>9} {'x none':>7}  blocks",
+        ]
+        for p in sorted(self.points, key=lambda p: -p.peak):
+            lines.append(
+                f"{'*' if id(p) in front else ' ':2}{p.label:<34} {format_bytes(p.peak):>10} "
+                f"{p.peak / self.none.peak:>7.2f} {p.seconds * 1e3:>9.1f} "
+                f"{p.seconds / self.none.seconds:>7.3f}  {_blocks_text(p.blocks)}"
+            )
+        lines.append(f"(* on the curve; medians of {self.rounds} interleaved rounds)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds, "points": [p.to_dict() for p in self.points]}
+
+    def plot(self, path: str, title: str | None = None) -> str:
+        """Draws peak (x) against step time (y), both as ratios to no
+        checkpointing: the plans as a line, the recipes as labelled points.
+        Needs matplotlib (Agg backend, no window). Returns ``path``."""
+        from .._profile_report import agg_figure
+
+        fig = agg_figure(figsize=(7, 4.5))
+        ax = fig.add_subplot(1, 1, 1)
+        x = lambda p: p.peak / self.none.peak  # noqa: E731
+        y = lambda p: p.seconds / self.none.seconds  # noqa: E731
+        plans = sorted((p for p in self.points if p.kind == "plan"), key=x)
+        ax.plot([x(p) for p in plans], [y(p) for p in plans], "o-", label="torch_sac plans")
+        for p in self.points:
+            if p.kind == "plan":
+                continue
+            ax.plot([x(p)], [y(p)], "s" if p.kind == "recipe" else "*", markersize=8)
+            ax.annotate(
+                p.label, (x(p), y(p)), textcoords="offset points", xytext=(5, 5), fontsize=7
+            )
+        ax.set_xlabel("peak / no checkpointing's peak")
+        ax.set_ylabel("step time / no checkpointing's")
+        ax.set_title(title or "peak memory against step time")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        return str(path)
+
+    def __repr__(self):
+        return f"<torch_sac.Frontier: {len(self.points)} points, {len(self.pareto())} on the curve>"
+
+
+def _blocks_text(blocks):
+    if blocks is None:
+        return ""
+    from .peak_plan import block_runs
+
+    return block_runs(blocks)
+
+
+@contextlib.contextmanager
+def _wrapped(blocks, wrap):
+    """Each block's forward replaced by ``wrap(forward)`` (where ``wrap`` is
+    not None for its index), put back on exit."""
+    patched = []
+    try:
+        for i, block in enumerate(blocks):
+            wrapper = wrap(i)
+            if wrapper is None:
+                continue
+            block.forward = functools.partial(wrapper, block.forward)
+            patched.append(block)
+        yield
+    finally:
+        for block in patched:
+            del block.forward
+
+
+def _torch_checkpoint(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _torch_sac_matmuls(forward, *args, **kwargs):
+    matmuls = set(_C.matmul_op_names())
+
+    def policy(ctx, op, *a, **k):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if op._schema.name in matmuls:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return checkpoint(
+        forward,
+        *args,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        **kwargs,
+    )
+
+
+def _own_matmuls(forward, *args, **kwargs):
+    import torch_sac
+
+    return torch_sac.checkpoint(forward, *args, policy=_C.save_matmuls(), **kwargs)
+
+
+def frontier(
+    fn: Callable[..., Any],
+    example_args: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    fractions: Sequence[float] = FRACTIONS,
+    blocks: str | Sequence[torch.nn.Module] = "auto",
+    recipes: bool = True,
+    rounds: int = 3,
+) -> Frontier:
+    r"""Measures the trade-off between peak memory and step time of a step
+    with repeated blocks: plans over its blocks (as
+    :func:`~torch_sac.policies.plan_peak` makes them) at ``fractions`` of
+    no checkpointing's peak and at each recipe's peak, and the recipes
+    users write by hand, each run ``rounds`` times, interleaved.
+
+    Recipes: no checkpointing; ``torch.utils.checkpoint`` on every block and
+    on every second block; PyTorch's selective checkpointing saving the
+    matmuls per block; ``torch_sac.checkpoint`` with ``save_matmuls`` per
+    block; and, as one ``sac_context`` keeping block boundaries, segments of
+    about sqrt(n) blocks (``checkpoint_sequential``).
+
+    Args:
+        fn: the step, as for :func:`~torch_sac.policies.plan_peak`.
+        example_args, example_kwargs: its arguments.
+        fractions: peaks to plan for, as shares of no checkpointing's peak.
+        blocks: ``"auto"`` (the repeated blocks of the largest model ``fn``
+            refers to) or a list of modules.
+        recipes: measure the recipes too.
+        rounds: timed runs of each point (medians are reported).
+
+    Returns:
+        A :class:`Frontier`: ``print(f.table())``, ``f.plot("frontier.png")``.
+
+    Raises:
+        ValueError: the step has no repeated blocks (or they do not run as
+            a chain), or an argument is out of range.
+
+    Example:
+        >>> f = torch_sac.policies.frontier(lambda: model(ids, labels=ids).loss)
+        >>> print(f.table())
+        >>> f.plot("frontier.png")
+        >>> plan = torch_sac.policies.plan_peak(step, peak_bytes=f.pareto()[1].peak)
+
+    Caveats:
+        Times are wall-clock on this machine (on a GPU, synchronised per
+        run): compare points of one call, not across machines. The planned
+        points are found without the run limit of ``plan_peak`` (about two
+        runs each); each point then runs ``rounds`` more times.
+    """
+    where = "policies.frontier"
+    check_callable(fn, where)
+    args, kwargs = check_examples(example_args, example_kwargs, where)
+    blocks = check_blocks(blocks, where)
+    if blocks is None:
+        raise ValueError(f"torch_sac.{where}: blocks must be 'auto' or a list of modules")
+    fractions = [float(f) for f in fractions]
+    if not fractions or any(not (0 < f <= 1) for f in fractions):
+        raise ValueError(f"torch_sac.{where}: fractions must be in (0, 1], got {fractions!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"torch_sac.{where}: rounds must be an int >= 1, got {rounds!r}")
+    if in_region():
+        raise RuntimeError(f"torch_sac.{where}: a sac_context is open on this thread")
+    state = StepState()
+    try:
+        state.find(fn, args, kwargs)
+        return _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds)
+    finally:
+        state.restore()
+
+
+def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds):
+    where = "policies.frontier"
+    planner = _Planner(fn, args, kwargs, 1, where, state, blocks)
+    planner.max_runs = math.inf
+    plain = planner.plain_run()
+    step = planner.step_blocks()
+    if step is None:
+        raise ValueError(
+            f"torch_sac.{where}: the step cannot be planned over blocks ({planner.chain_note}); "
+            "pass blocks= the modules it runs one after the other"
+        )
+    modules = step.modules
+    n = len(step.chain)
+    points = [FrontierPoint("no checkpointing", "none", lambda: None)]
+
+    def region_point(label, kind, saved, **extra):
+        policy = ReplaySchedule([], saved).policy()
+        return FrontierPoint(label, kind, lambda: policy, policy=policy, **extra)
+
+    if recipes:
+        every_block = lambda i: _torch_checkpoint  # noqa: E731
+        points += [
+            FrontierPoint("checkpoint per block", "recipe", lambda: _wrapped(modules, every_block)),
+            FrontierPoint(
+                "checkpoint every 2nd block",
+                "recipe",
+                lambda: _wrapped(modules, lambda i: _torch_checkpoint if i % 2 == 0 else None),
+            ),
+            FrontierPoint(
+                "PyTorch SAC matmuls per block",
+                "recipe",
+                lambda: _wrapped(modules, lambda i: _torch_sac_matmuls),
+            ),
+            FrontierPoint(
+                "torch_sac save_matmuls per block",
+                "recipe",
+                lambda: _wrapped(modules, lambda i: _own_matmuls),
+            ),
+        ]
+        k = max(2, round(math.sqrt(n)))
+        points.append(
+            region_point(f"segments of {k} blocks", "recipe", step.saved_calls(step.recipe("", k)))
+        )
+    # Every point runs once for its peak.
+    for p in points:
+        p.peak = _run_point(planner, p).peak
+    targets = [(f"plan @ {f:.2f}x", int(f * plain.peak)) for f in fractions]
+    targets += [(f"plan @ {p.label}", p.peak) for p in points[1:]]
+    seen = {}
+    for label, target in targets:
+        candidate = planner.chain_for(step, target)
+        if candidate is None:
+            continue
+        key = tuple(candidate.saved)
+        if key in seen:
+            continue
+        point = region_point(label, "plan", candidate.saved, target=target, blocks=candidate.blocks)
+        point.peak = candidate.run.peak
+        seen[key] = point
+        points.append(point)
+    for _ in range(rounds):
+        for p in points:
+            p.times.append(_run_point(planner, p).seconds)
+    return Frontier(points, rounds)
+
+
+def _run_point(planner, point):
+    how = point._run()
+    if point.policy is not None:
+        return planner.run(point.policy)
+    with how if how is not None else contextlib.nullcontext():
+        return planner.run()
