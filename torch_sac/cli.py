@@ -1,5 +1,7 @@
 """``python -m torch_sac``: one training step of a GPT-style model under
 several checkpointing policies, profiled side by side.
+(``python -m torch_sac frontier``: the trade-off curve of such a step, see
+``torch_sac._cli_frontier``.)
 
 For every policy the step (forward + backward, no optimizer) runs on the
 same batch with the same dropout seed: a warm-up, ``--steps`` timed steps
@@ -509,6 +511,11 @@ def _run(args, out):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["frontier"]:
+        from torch_sac._cli_frontier import main as frontier_main
+
+        return frontier_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

@@ -42,6 +42,7 @@ from conftest import RUN_SEED, aten, loss_of
 from helpers import allocated, storage_bytes  # noqa: F401  (test_apply.py imports storage_bytes from here)
 from models import MLP, ConvBN, GPTBlock, Stack, _input_factory, _seeded
 from torch_sac import memory
+from torch_sac._op_profile import profile_region
 from torch_sac.memory import track
 from torch_sac.models import ConvBNReLU
 
@@ -523,3 +524,151 @@ def test_saved_output_held_for_replay_dies_with_its_last_dropped_consumer():
     assert seen == [[False, False, False, True]], (
         f"mm outputs freed before the last layer's MmBackward0: {seen}"
     )
+
+
+# ==========================================================================
+# 5. One region per step, saving only the block boundaries (with dropout)
+# ==========================================================================
+
+
+class MaskedAttentionBlock(nn.Module):
+    """GPT-2's layout: pre-LN, SDPA with a float attention mask and dropout,
+    out-of-place residual adds, dropout on both branches. In training on the
+    CPU, SDPA takes its math path, which adds the mask into the scores in
+    place (``add_``) unless a Python dispatch mode is active, where it uses
+    ``add`` (and ``view`` for ``_reshape_alias``)."""
+
+    def __init__(self, d_model=32, n_head=2, p=0.1):
+        super().__init__()
+        self.n_head = n_head
+        self.p = p
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.fc_out = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (
+            t.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
+        )
+        mask = torch.full((T, T), float("-inf")).triu(1)
+        p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+N_MASKED_BLOCKS = 4
+
+
+def masked_attention_stack():
+    module = _seeded(lambda: Stack(*[MaskedAttentionBlock() for _ in range(N_MASKED_BLOCKS)]))()
+    return module, _input_factory((4, 64, 32), 15)()
+
+
+def block_output_calls_seen_by_region(module, x):
+    """The op calls (region numbering) that made each block's output but the
+    last: what a region keeping only the block boundaries saves. Read from a
+    region whose policy records every call and saves nothing; the last call
+    it saw when a block returns made that block's output."""
+    seen, counts, ends = [], collections.Counter(), []
+
+    def record(ctx, op, *args, **kwargs):
+        name = str(op.name())
+        seen.append((name, counts[name]))
+        counts[name] += 1
+        return False
+
+    hooks = [b.register_forward_hook(lambda m, i, o: ends.append(seen[-1])) for b in module]
+    try:
+        with torch.random.fork_rng(), torch_sac.sac_context(record):
+            module(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ends[:-1]
+
+
+def block_output_calls_from_profile(module, x):
+    """The same calls as the budget planners number them: from
+    profile_region's records (a Python TorchDispatchMode), each block's
+    output being its last aten.add.Tensor call."""
+    profile, _ = profile_region(module, (x,), repeats=0, count_flops=False)
+    adds = [r.call_index for r in profile.records if r.op is aten.add.Tensor]
+    per_block = len(adds) // N_MASKED_BLOCKS
+    return [("aten::add.Tensor", adds[per_block * (k + 1) - 1]) for k in range(N_MASKED_BLOCKS - 1)]
+
+
+def boundary_peaks(saved_calls):
+    """Peak (bytes) of a training step of the masked-attention stack: one
+    region saving ``saved_calls``, and torch.utils.checkpoint per block;
+    each after a warm-up step. Also the gradients, against plain autograd's."""
+    module, x = masked_attention_stack()
+    params = list(module.parameters())
+
+    def step(method):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        torch.manual_seed(RUN_SEED)
+        with track() as m:
+            if method == "region":
+                policy = torch_sac.ReplaySchedule([], saved_calls).policy()
+                with torch_sac.sac_context(policy):
+                    out = module(x)
+            elif method == "checkpoint":
+                out = x
+                for block in module:
+                    out = tc.checkpoint(block, out, use_reentrant=False)
+            else:
+                out = module(x)
+            loss_of(out).backward()
+            del out
+        return m.peak, [p.grad.clone() for p in params] + [x.grad.clone()]
+
+    peaks, grads = {}, {}
+    for method in ("plain", "region", "checkpoint"):
+        step(method)  # warm-up: lazily created state of torch and the engine
+        peaks[method], grads[method] = step(method)
+    return peaks, grads
+
+
+def test_one_region_saving_block_boundaries_with_dropout_peaks_at_most_torch_checkpoint():
+    """One region around the whole stack, its policy saving only each
+    block's output (per-block checkpointing as one region), in training
+    (dropout, SDPA's math path): a rebuild replays one block, and what it
+    keeps for later unpacks goes with their last unpack, so the step's peak
+    is at most torch.utils.checkpoint's per block, gradients bitwise equal."""
+    module, x = masked_attention_stack()
+    saved = block_output_calls_seen_by_region(module, x)
+    peaks, grads = boundary_peaks(saved)
+    assert peaks["region"] <= peaks["checkpoint"] < peaks["plain"], (saved, peaks)
+    assert all(torch.equal(a, b) for a, b in zip(grads["region"], grads["plain"]))
+
+
+@pytest.mark.xfail(
+    torch_sac.adapter() == "key",
+    strict=True,
+    reason="profile_region numbers calls under a Python TorchDispatchMode, which "
+    "switches ATen's composite code to its subclass paths (SDPA's math path: "
+    "add instead of add_; reshape: view instead of _reshape_alias); the key "
+    "adapter's region sees the other ops, so the plan saves the wrong calls",
+)
+def test_block_boundaries_from_the_profile_peak_at_most_torch_checkpoint():
+    """The same boundaries as the planners find them (from profile_region's
+    call numbering). They must name the calls the region sees, or the region
+    saves mid-block tensors: each rebuild then spans two blocks and keeps
+    both for later unpacks (on an 8-block GPT-2: 90.5 MiB against 71.1 MiB
+    for torch.utils.checkpoint per block)."""
+    module, x = masked_attention_stack()
+    from_profile = block_output_calls_from_profile(module, x)
+    peaks, grads = boundary_peaks(from_profile)
+    seen_by_region = block_output_calls_seen_by_region(module, x)
+    assert all(torch.equal(a, b) for a, b in zip(grads["region"], grads["plain"]))
+    assert peaks["region"] <= peaks["checkpoint"], (from_profile, seen_by_region, peaks)
+    assert from_profile == seen_by_region

@@ -20,7 +20,7 @@ The parts, each a module of this package (docs/design/layers.md):
   options (what it keeps, those bytes, the seconds backward replays);
 * ``chain``: the chain solver, a dynamic program choosing an option per
   block and segments of blocks for a peak;
-* ``frontier``: the trade-off curve (``frontier``, ``Frontier``): plans at
+* ``tradeoff``: the trade-off curve (``frontier``, ``Frontier``): plans at
   several peaks and the recipes users write, measured side by side;
 * ``step_state``: what a planning run changes (buffers, ``.grad``), saved
   and put back;
@@ -48,7 +48,7 @@ from .budget_plan import (
     plan_peak,
 )
 from .budget_table import PlanItem, PlanRow
-from .frontier import Frontier, FrontierPoint, frontier
+from .tradeoff import Frontier, FrontierPoint, frontier
 from .peak_plan import PeakPlan
 
 __all__ = [

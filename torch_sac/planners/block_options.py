@@ -21,6 +21,8 @@ outside the blocks (embeddings, the head, the loss) is always kept.
 
 from __future__ import annotations
 
+import difflib
+
 from .. import _C
 from .._blocks import find_blocks
 from .._op_profile import RegionProfile
@@ -83,6 +85,7 @@ class StepBlocks:
             if a.end < 0 or a.end > b.start:
                 raise NotAChain("a block ran inside another")
         self.profile = profile
+        self.numbering = None  # profile record -> the region's (op, call_index)
         self.modules = list(blocks)
         self.spans = spans
         records, storages = profile.records, profile.storages
@@ -168,6 +171,22 @@ class StepBlocks:
             )
         self.chain = chain
 
+    def renumber(self, region_names):
+        """Translates the profile's calls to the region's numbering, given
+        the op names the region's policy saw in order (``aten::add.Tensor``
+        or ``aten::mm``): the two sequences aligned, calls matched in equal
+        runs. A call with no match is left out of :meth:`saved_calls` (it
+        is recomputed: the plan stays exact, it may keep less)."""
+        names = [n if "." in n.split("::")[-1] else n + ".default" for n in region_names]
+        ours = [op_name(r.op) for r in self.profile.records]
+        region_keys = _numbered(names)
+        self.numbering = {}
+        matcher = difflib.SequenceMatcher(None, ours, names, autojunk=False)
+        for tag, i1, i2, j1, _ in matcher.get_opcodes():
+            if tag == "equal":
+                for d in range(i2 - i1):
+                    self.numbering[i1 + d] = region_keys[j1 + d]
+
     def _knapsack(self, calls, budget):
         """The calls the budget planner's solver saves within ``budget`` bytes
         of the block's storages, valued by their measured time."""
@@ -198,7 +217,9 @@ class StepBlocks:
             if choice.option != "segment start":
                 names = {o.name: calls for o, calls in self.options[block]}
                 saved.update(names[choice.option])
-        return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
+        if self.numbering is None:
+            return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
+        return sorted(self.numbering[i] for i in saved if i in self.numbering)
 
     def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
         """The choices of a hand-written recipe: every block keeping option
@@ -215,6 +236,15 @@ class StepBlocks:
                 choices.append(BlockChoice("segment start", (j, e)))
                 choices += [BlockChoice("in segment", (j, e))] * (e - j)
         return choices
+
+
+def _numbered(names):
+    """``[(name, call_index)]``: each name with its count so far."""
+    counts, keys = {}, []
+    for n in names:
+        keys.append((n, counts.get(n, 0)))
+        counts[n] = counts.get(n, 0) + 1
+    return keys
 
 
 def _distinct(options):

@@ -229,7 +229,7 @@ class _Candidate:
         self.blocks = blocks
 
 
-class _Planner:
+class Planner:
     """The search behind :func:`plan_for_peak`. Every run it makes is kept
     (for the plan's run count and time), every plan it measured is a
     candidate, and it calls fn at most :data:`MAX_PLANNING_RUNS` times."""
@@ -285,10 +285,33 @@ class _Planner:
             del out
         self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
         try:
-            return StepBlocks(profile, blocks)
+            step = StepBlocks(profile, blocks)
         except NotAChain as e:
             self.chain_note = str(e)
             return None
+        # Under the profile's Python dispatch mode some composite ops take
+        # other branches (train-mode attention on CPU: add_ and
+        # _reshape_alias become add and view), so its call numbers are not
+        # the region's: a forward in a region that records the calls its
+        # policy sees gives the region's numbering (one more run).
+        names = []
+
+        def record(ctx, op, *args, **kwargs):
+            names.append(op.name())
+            return False
+
+        start = time.perf_counter()
+        with (
+            self.state.run(),
+            _gc_paused(),
+            torch.random.fork_rng(devices=cuda_devices((self.args, self.kwargs))),
+        ):
+            with sac_context(record):
+                out = self.fn(*self.args, **self.kwargs)
+            del out
+        self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
+        step.renumber(names)
+        return step
 
     def chain_search(self):
         """A plan over the step's blocks, or None (:meth:`chain_for`)."""
@@ -538,7 +561,7 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto"):
     state = StepState()
     try:
         state.find(fn, args, kwargs)
-        return _find_plan(_Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks))
+        return _find_plan(Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks))
     finally:
         state.restore()
 

@@ -15,10 +15,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from .. import _C
 from .._op_profile import format_bytes
+from ..checkpointing import checkpoint as sac_checkpoint
 from ..region import in_region
 from ..schedule import ReplaySchedule
 from .checks import check_blocks, check_callable, check_examples
-from .peak_search import _Planner
+from .peak_search import Planner
 from .step_state import StepState
 
 __all__ = ["Frontier", "FrontierPoint", "frontier"]
@@ -43,9 +44,18 @@ class FrontierPoint:
             ``sac_context`` around the step.
     """
 
-    def __init__(self, label, kind, run, target=None, blocks=None, policy=None):
+    def __init__(
+        self,
+        label: str,
+        kind: str,
+        run: Callable[[], Any],
+        target: int | None = None,
+        blocks: list[str] | None = None,
+        policy: Any = None,
+        budget: Any = None,
+    ) -> None:
         self.label, self.kind, self.target, self.blocks = label, kind, target, blocks
-        self.policy = policy
+        self.policy, self.budget = policy, budget
         self._run = run
         self.times = []
         self.peak = None
@@ -76,7 +86,7 @@ class Frontier:
     first, then the recipes, then the plans), :meth:`pareto` (the points no
     other point beats in both peak and time), :meth:`table`, :meth:`plot`."""
 
-    def __init__(self, points: list[FrontierPoint], rounds: int):
+    def __init__(self, points: list[FrontierPoint], rounds: int) -> None:
         self.points = points
         self.rounds = rounds
         self.none = points[0]
@@ -190,9 +200,7 @@ def _torch_sac_matmuls(forward, *args, **kwargs):
 
 
 def _own_matmuls(forward, *args, **kwargs):
-    import torch_sac
-
-    return torch_sac.checkpoint(forward, *args, policy=_C.save_matmuls(), **kwargs)
+    return sac_checkpoint(forward, *args, policy=_C.save_matmuls(), **kwargs)
 
 
 def frontier(
@@ -268,7 +276,7 @@ def frontier(
 
 def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds):
     where = "policies.frontier"
-    planner = _Planner(fn, args, kwargs, 1, where, state, blocks)
+    planner = Planner(fn, args, kwargs, 1, where, state, blocks)
     planner.max_runs = math.inf
     plain = planner.plain_run()
     step = planner.step_blocks()
@@ -318,6 +326,11 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     for label, target in targets:
         candidate = planner.chain_for(step, target)
         if candidate is None:
+            # What plan_peak returns there (below what the blocks reach, its
+            # multiple recomputation).
+            point = _op_chain_point(fn, args, kwargs, label, target)
+            if point is not None:
+                points.append(point)
             continue
         key = tuple(candidate.saved)
         if key in seen:
@@ -332,9 +345,28 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     return Frontier(points, rounds)
 
 
+def _op_chain_point(fn, args, kwargs, label, target):
+    from .peak_search import plan_for_peak
+
+    try:
+        plan = plan_for_peak(fn, args, kwargs, target, "policies.frontier")
+    except ValueError:  # below the least peak measured
+        return None
+    point = FrontierPoint(
+        f"{label} ({plan.solver})",
+        "plan",
+        lambda: None,
+        target=target,
+        policy=plan.policy(),
+        budget=plan.replay_budget,
+    )
+    point.peak = plan.measured_peak
+    return point
+
+
 def _run_point(planner, point):
     how = point._run()
     if point.policy is not None:
-        return planner.run(point.policy)
+        return planner.run(point.policy, point.budget)
     with how if how is not None else contextlib.nullcontext():
         return planner.run()
