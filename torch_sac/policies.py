@@ -30,6 +30,8 @@ from .planners import (
     budget,
     budget_for_model,
     budget_for_region,
+    Frontier,
+    FrontierPoint,
     frontier,
     plan_peak,
 )
@@ -49,6 +51,8 @@ __all__ = [
     "budget_for_model",
     "plan_peak",
     "frontier",
+    "Frontier",
+    "FrontierPoint",
     "budget",
     "BudgetPolicy",
     "ModelBudget",
