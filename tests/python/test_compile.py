@@ -413,7 +413,9 @@ def test_peak_plan_inside_compiled_function_runs_its_forward_half(fresh_warning)
     ref = run(block, x, block)
     xin = x.clone().requires_grad_()
     plain = policies.budget(lambda: block(xin).sum(), peak_bytes=1 << 40).no_checkpoint_peak
-    plan = policies.budget(lambda: block(xin).sum(), peak_bytes=int(plain * 0.8))
+    # Over the op chain: a plan with a replay budget (a plan over blocks
+    # has none, and compiles whole).
+    plan = policies.plan_peak(lambda: block(xin).sum(), peak_bytes=int(plain * 0.8), blocks=None)
     assert plan.replay_budget is not None and plan.saved
     fn = torch.compile(lambda x: torch_sac.checkpoint(block, x, policy=plan), backend="aot_eager")
     assert_exact(run(block, x, fn), ref, "peak plan compiled")

@@ -657,11 +657,12 @@ def test_one_region_saving_block_boundaries_with_dropout_peaks_at_most_torch_che
     reason="profile_region numbers calls under a Python TorchDispatchMode, which "
     "switches ATen's composite code to its subclass paths (SDPA's math path: "
     "add instead of add_; reshape: view instead of _reshape_alias); the key "
-    "adapter's region sees the other ops, so the plan saves the wrong calls",
+    "adapter's region sees the other ops. plan_peak renumbers its calls "
+    "(StepBlocks.renumber); budget_for_region and budget_for_model do not yet",
 )
 def test_block_boundaries_from_the_profile_peak_at_most_torch_checkpoint():
-    """The same boundaries as the planners find them (from profile_region's
-    call numbering). They must name the calls the region sees, or the region
+    """The same boundaries in profile_region's raw call numbering (what
+    budget_for_region's plans use; plan_peak renumbers). They must name the calls the region sees, or the region
     saves mid-block tensors: each rebuild then spans two blocks and keeps
     both for later unpacks (on an 8-block GPT-2: 90.5 MiB against 71.1 MiB
     for torch.utils.checkpoint per block)."""

@@ -58,7 +58,6 @@ _OPTIONS = (
     "bytes",
     "fraction",
     "peak_bytes",
-    "blocks",
     "cost",
     "solver",
     "repeats",

@@ -79,8 +79,8 @@ _RESOLUTION = 1 / 32
 _OTHER_SHARE = 1 / 8
 # Room kept for the other share while the search refines: two runs.
 _SHARE_RUNS = 2
-# Runs of plans the chain solver chose (chain_search): the first, and the
-# same solver aimed lower by what the previous one measured over the peak.
+# Runs of plans the chain solver chose (chain_for): the first, and the same
+# solver aimed by the error the previous one measured (over or under).
 _CHAIN_RUNS = 3
 # The per-block checkpointing run is tried when the chain solver finds no
 # plan but its modelled peak is within this share of peak_bytes over it
@@ -324,15 +324,16 @@ class Planner:
         """A plan over the step's blocks (``block_options.py``, ``chain.py``):
         per block an option, or segments of blocks, chosen for the least
         modelled recompute time under ``peak_bytes``, then measured; the
-        model's error measured on a plan that did not fit aims the next one
-        lower. Returns a fitting candidate, or None (``chain_note`` says
-        why)."""
+        model's error measured on each plan aims the next one (lower after
+        a plan over the peak, higher after one well under it). Returns the
+        fitting candidate of least modelled time, or None (``chain_note``
+        says why)."""
         chain = step.chain
         # The constant of the model: what the run without checkpointing
         # measured above the modelled keeping of every block's activations.
         base = self.plain.peak - model_peak(chain, step.recipe("keep all"), 0, 0)
         resolution = max(int(peak_bytes * _RESOLUTION), 1)
-        offset, tried = 0, []
+        offset, tried, best = 0, [], None
         self.chain_note = None
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
@@ -355,10 +356,18 @@ class Planner:
             run = self.run(ReplaySchedule([], saved).policy())
             run.modelled_seconds = seconds
             if run.peak <= peak_bytes:
-                return _Candidate(
-                    run, saved, None, None, optimal=False, blocks=[c.option for c in choices]
-                )
+                if best is None or seconds < best.run.modelled_seconds:
+                    best = _Candidate(
+                        run, saved, None, None, optimal=False, blocks=[c.option for c in choices]
+                    )
+                if peak_bytes - run.peak <= resolution:
+                    break
+            # The model's error on this plan, signed: over the peak aims the
+            # next plan lower; well under it (the model overestimates what
+            # some options keep) aims it higher.
             offset += run.peak - peak_bytes + resolution
+        if best is not None:
+            return best
         if self.chain_note is None:
             self.chain_note = f"{len(tried)} chain plans measured over peak_bytes"
         return None
