@@ -330,3 +330,27 @@ def test_the_frontier_command(tmp_path, capsys):
     assert e.value.code == 2
     with pytest.raises(SystemExit):
         cli.main(["frontier", "--fractions", "half"])
+
+
+def test_blocks_found_only_while_the_step_runs():
+    # The step reaches the model through an object planning does not look
+    # into before the first run: its blocks are found from the modules the
+    # run calls.
+    model, batch, layers = hf_model("llama")
+
+    class Holder:
+        def __init__(self, m):
+            self._m = [m]
+
+        def get(self):
+            return self._m[0]
+
+    holder = Holder(model)
+    hidden = (lambda: holder).__call__
+
+    def step():
+        return hidden().get()(**batch).loss
+
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7))
+    assert plan.blocks is not None and len(plan.blocks) == len(layers)

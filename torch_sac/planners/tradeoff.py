@@ -19,7 +19,7 @@ from ..checkpointing import checkpoint as sac_checkpoint
 from ..region import in_region
 from ..schedule import ReplaySchedule
 from .checks import check_blocks, check_callable, check_examples
-from .peak_search import Planner
+from .peak_search import Planner, at_the_chains_floor
 from .step_state import StepState
 
 __all__ = ["Frontier", "FrontierPoint", "frontier"]
@@ -332,6 +332,13 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
             if point is not None:
                 points.append(point)
             continue
+        if at_the_chains_floor(candidate.blocks):
+            # What plan_peak weighs it against there (multiple recomputation).
+            point = _op_chain_point(fn, args, kwargs, label, target)
+            if point is not None and point.label.endswith("(block chain)"):
+                point = None
+            if point is not None:
+                points.append(point)
         key = tuple(candidate.saved)
         if key in seen:
             continue
