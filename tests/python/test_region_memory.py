@@ -657,12 +657,12 @@ def test_one_region_saving_block_boundaries_with_dropout_peaks_at_most_torch_che
     reason="profile_region numbers calls under a Python TorchDispatchMode, which "
     "switches ATen's composite code to its subclass paths (SDPA's math path: "
     "add instead of add_; reshape: view instead of _reshape_alias); the key "
-    "adapter's region sees the other ops. plan_peak renumbers its calls "
-    "(StepBlocks.renumber); budget_for_region and budget_for_model do not yet",
+    "adapter's region sees the other ops; the planners renumber "
+    "(torch_sac/planners/region_numbering.py)",
 )
 def test_block_boundaries_from_the_profile_peak_at_most_torch_checkpoint():
-    """The same boundaries in profile_region's raw call numbering (what
-    budget_for_region's plans use; plan_peak renumbers). They must name the calls the region sees, or the region
+    """The same boundaries in profile_region's raw call numbering (the
+    planners renumber it: test_block_chain, test_budget). They must name the calls the region sees, or the region
     saves mid-block tensors: each rebuild then spans two blocks and keeps
     both for later unpacks (on an 8-block GPT-2: 90.5 MiB against 71.1 MiB
     for torch.utils.checkpoint per block)."""
@@ -673,3 +673,22 @@ def test_block_boundaries_from_the_profile_peak_at_most_torch_checkpoint():
     assert all(torch.equal(a, b) for a, b in zip(grads["region"], grads["plain"]))
     assert peaks["region"] <= peaks["checkpoint"], (from_profile, seen_by_region, peaks)
     assert from_profile == seen_by_region
+
+
+def test_budget_plans_name_calls_as_the_region_sees_them():
+    """A budget plan of the masked-attention stack in training saves calls
+    the region has (the planners renumber the profile's calls): with the
+    whole budget it saves every call it can, and each is one the region sees."""
+    from torch_sac.planners.region_numbering import region_call_names
+
+    module, x = masked_attention_stack()
+    plan = torch_sac.policies.budget_for_region(module, (x,), bytes=1 << 40, repeats=0)
+    names = region_call_names(module, (x,), {})
+    counts, seen = collections.Counter(), set()
+    for n in names:
+        seen.add((n, counts[n]))
+        counts[n] += 1
+    chosen = {
+        (f"{op._schema.name}.{op._schema.overload_name or 'default'}", i) for op, i in plan.chosen
+    }
+    assert chosen and chosen <= seen, sorted(chosen - seen)[:5]

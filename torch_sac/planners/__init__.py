@@ -16,6 +16,9 @@ The parts, each a module of this package (docs/design/layers.md):
 * ``peak_plan``: ``PeakPlan``, the peak planner's result, and its JSON form;
 * ``peak_search``: the search behind ``plan_peak`` (measured runs: first
   the plan over the step's blocks, then budgets and candidates);
+* ``region_numbering``: a profile's op calls renamed as the engines see
+  them (a Python dispatch mode makes some composite ops take other
+  branches);
 * ``block_options``: the step's blocks profiled once, and per block its
   options (what it keeps, those bytes, the seconds backward replays);
 * ``chain``: the chain solver, a dynamic program choosing an option per

@@ -21,24 +21,18 @@ outside the blocks (embeddings, the head, the loss) is always kept.
 
 from __future__ import annotations
 
-import difflib
-
 from .. import _C
 from .._blocks import find_blocks
 from .._op_profile import RegionProfile
 from .chain import BlockChoice, ChainBlock, ChainOption
+from .region_numbering import op_name
 
-__all__ = ["KNAPSACK_SHARES", "StepBlocks", "find_step_blocks", "op_name"]
+__all__ = ["KNAPSACK_SHARES", "NotAChain", "StepBlocks", "chain_spans", "find_step_blocks"]
 
 # The knapsack options' budgets, as shares of a block's activations.
 KNAPSACK_SHARES = (0.25, 0.5, 0.75)
 
 _MATMULS = frozenset(_C.matmul_op_names())
-
-
-def op_name(op):
-    """An OpOverload as schedules and saved calls name it (``aten::mm.default``)."""
-    return f"{op._schema.name}.{op._schema.overload_name or 'default'}"
 
 
 def find_step_blocks(modules):
@@ -60,6 +54,24 @@ class NotAChain(Exception):
     """The profiled step is not a chain of its blocks (why in the message)."""
 
 
+def chain_spans(profile, n):
+    """The spans of ``n`` blocks in call order, or :class:`NotAChain` unless
+    each block ran exactly once, one after the other."""
+    spans = sorted(profile.spans, key=lambda s: s.start)
+    ran = [s.block for s in spans]
+    if sorted(ran) != list(range(n)):
+        counts = {b: ran.count(b) for b in range(n) if ran.count(b) != 1}
+        raise NotAChain(f"blocks not called exactly once in the step: {counts}")
+    if ran != list(range(n)):
+        raise NotAChain("the blocks did not run in the order the model lists them")
+    if any(s.end < 0 for s in spans):
+        raise NotAChain("a block did not return")
+    for a, b in zip(spans, spans[1:]):
+        if a.end > b.start:
+            raise NotAChain("a block ran inside another")
+    return spans
+
+
 class StepBlocks:
     """The step's blocks as the chain solver sees them.
 
@@ -73,19 +85,8 @@ class StepBlocks:
     """
 
     def __init__(self, profile: RegionProfile, blocks):
-        n = len(blocks)
-        spans = sorted(profile.spans, key=lambda s: s.start)
-        ran = [s.block for s in spans]
-        if sorted(ran) != list(range(n)):
-            counts = {b: ran.count(b) for b in range(n) if ran.count(b) != 1}
-            raise NotAChain(f"blocks not called exactly once in the step: {counts}")
-        if ran != list(range(n)):
-            raise NotAChain("the blocks did not run in the order the model lists them")
-        for a, b in zip(spans, spans[1:]):
-            if a.end < 0 or a.end > b.start:
-                raise NotAChain("a block ran inside another")
+        spans = chain_spans(profile, len(blocks))
         self.profile = profile
-        self.numbering = None  # profile record -> the region's (op, call_index)
         self.modules = list(blocks)
         self.spans = spans
         records, storages = profile.records, profile.storages
@@ -171,22 +172,6 @@ class StepBlocks:
             )
         self.chain = chain
 
-    def renumber(self, region_names):
-        """Translates the profile's calls to the region's numbering, given
-        the op names the region's policy saw in order (``aten::add.Tensor``
-        or ``aten::mm``): the two sequences aligned, calls matched in equal
-        runs. A call with no match is left out of :meth:`saved_calls` (it
-        is recomputed: the plan stays exact, it may keep less)."""
-        names = [n if "." in n.split("::")[-1] else n + ".default" for n in region_names]
-        ours = [op_name(r.op) for r in self.profile.records]
-        region_keys = _numbered(names)
-        self.numbering = {}
-        matcher = difflib.SequenceMatcher(None, ours, names, autojunk=False)
-        for tag, i1, i2, j1, _ in matcher.get_opcodes():
-            if tag == "equal":
-                for d in range(i2 - i1):
-                    self.numbering[i1 + d] = region_keys[j1 + d]
-
     def _knapsack(self, calls, budget):
         """The calls the budget planner's solver saves within ``budget`` bytes
         of the block's storages, valued by their measured time."""
@@ -217,9 +202,7 @@ class StepBlocks:
             if choice.option != "segment start":
                 names = {o.name: calls for o, calls in self.options[block]}
                 saved.update(names[choice.option])
-        if self.numbering is None:
-            return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
-        return sorted(self.numbering[i] for i in saved if i in self.numbering)
+        return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
 
     def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
         """The choices of a hand-written recipe: every block keeping option
@@ -236,15 +219,6 @@ class StepBlocks:
                 choices.append(BlockChoice("segment start", (j, e)))
                 choices += [BlockChoice("in segment", (j, e))] * (e - j)
         return choices
-
-
-def _numbered(names):
-    """``[(name, call_index)]``: each name with its count so far."""
-    counts, keys = {}, []
-    for n in names:
-        keys.append((n, counts.get(n, 0)))
-        counts[n] = counts.get(n, 0) + 1
-    return keys
 
 
 def _distinct(options):

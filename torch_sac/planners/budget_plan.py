@@ -38,6 +38,7 @@ from .checks import (
 )
 from .peak_plan import PeakPlan
 from .peak_search import plan_for_peak
+from .region_numbering import region_call_names, renumber
 
 __all__ = [
     "budget",
@@ -281,6 +282,8 @@ def _profiled_plan(
         repeats=repeats if cost == "time" else 0,
         count_flops=cost == "flops",
     )
+    # Keyed as the engines see the calls (region_numbering.py).
+    renumber(profile, region_call_names(fn, args, kwargs))
     return _plan(profile, cost, bytes_, fraction, solver, max_states, where)
 
 
@@ -298,11 +301,12 @@ def budget_for_region(
 ) -> BudgetPolicy:
     r"""What one region (a block) keeps in forward within a memory budget.
 
-    Runs ``fn(*example_args, **example_kwargs)`` once (a profiling forward,
-    grad enabled) and records every op call a selective-checkpoint policy
-    would see in that region, keyed by (op overload, call index within the
-    region) exactly as :func:`torch_sac.create_selective_checkpoint_contexts`
-    keys its cache. Each call's recompute cost is measured (``cost="time"``)
+    Runs ``fn(*example_args, **example_kwargs)`` twice (a profiling forward,
+    grad enabled, then a forward in a region that names the calls as the
+    engines see them) and records every op call a selective-checkpoint
+    policy would see in that region, keyed by (op overload, call index
+    within the region) exactly as
+    :func:`torch_sac.create_selective_checkpoint_contexts` keys its cache. Each call's recompute cost is measured (``cost="time"``)
     or counted (``cost="flops"``), and its memory is the size of the storages
     its outputs keep alive. A C++ solver then picks the calls to save
     (MUST_SAVE) so that the cost avoided in recompute is as large as possible
@@ -377,7 +381,7 @@ def budget_for_region(
         ...         x = layer(x)
 
     .. warning::
-        ``fn`` really runs once while profiling: side effects such as
+        ``fn`` really runs twice while profiling: side effects such as
         BatchNorm running statistics happen (the global RNG state is
         restored). The plan is for the shapes, dtypes and control flow of the
         example inputs; op calls the plan did not see are recomputed. The
@@ -451,8 +455,9 @@ def budget_for_model(
         >>> handle = torch_sac.apply_sac(model, plan)
 
     .. warning::
-        The model runs once, then each distinct block once more while
-        profiling; side effects happen as for :func:`budget_for_region` (the
+        The model runs once, then each distinct block twice more while
+        profiling (a profiled forward and one naming its calls as the
+        engines see them); side effects happen as for :func:`budget_for_region` (the
         global RNG state is restored). The plans are for the example call's
         shapes.
     """

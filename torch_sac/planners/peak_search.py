@@ -48,9 +48,10 @@ from .. import _C, memory
 from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
-from .block_options import NotAChain, StepBlocks, find_step_blocks
+from .block_options import NotAChain, StepBlocks, chain_spans, find_step_blocks
 from .chain import model_peak, solve_chain
 from .peak_plan import PeakPlan
+from .region_numbering import region_call_names, renumber
 from .step_state import StepState
 
 __all__ = ["plan_for_peak"]
@@ -285,33 +286,17 @@ class Planner:
             del out
         self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
         try:
-            step = StepBlocks(profile, blocks)
+            chain_spans(profile, len(blocks))
         except NotAChain as e:
             self.chain_note = str(e)
             return None
-        # Under the profile's Python dispatch mode some composite ops take
-        # other branches (train-mode attention on CPU: add_ and
-        # _reshape_alias become add and view), so its call numbers are not
-        # the region's: a forward in a region that records the calls its
-        # policy sees gives the region's numbering (one more run).
-        names = []
-
-        def record(ctx, op, *args, **kwargs):
-            names.append(op.name())
-            return False
-
+        # The profile's calls as the region numbers them (one more forward).
         start = time.perf_counter()
-        with (
-            self.state.run(),
-            _gc_paused(),
-            torch.random.fork_rng(devices=cuda_devices((self.args, self.kwargs))),
-        ):
-            with sac_context(record):
-                out = self.fn(*self.args, **self.kwargs)
-            del out
+        with self.state.run(), _gc_paused():
+            names = region_call_names(self.fn, self.args, self.kwargs)
         self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
-        step.renumber(names)
-        return step
+        renumber(profile, names)
+        return StepBlocks(profile, blocks)
 
     def chain_search(self):
         """A plan over the step's blocks, or None (:meth:`chain_for`)."""
