@@ -15,7 +15,7 @@ from . import _compile
 from ._engines import ENGINES, REGION
 from ._policy_conversion import PolicyLike, as_op_policy
 from ._blocks import find_blocks, select_blocks  # noqa: F401  (find_blocks: for callers)
-from ._budget_types import ReplayBudget, check_replay_budget
+from ._budget_types import RegionPlan, ReplayBudget, check_replay_budget, unpack_plan
 from .contexts import checkpoint_when_compiling, create_selective_checkpoint_contexts
 from .region import sac_context
 
@@ -101,7 +101,13 @@ def apply_sac(
         policy: as for :class:`torch_sac.sac_context` (a built-in, a list of
             ops, a callable ``policy(ctx, op, *args, **kwargs)``), one for
             every module; or a callable ``module -> policy`` (one positional
-            parameter), asked once per module.
+            parameter), asked once per module; or a
+            :class:`torch_sac.PeakPlan` of a step that starts by calling the
+            model (``plan_peak(lambda: model(**batch).loss, ...)``): the
+            model's forward then runs as the one region the plan was made
+            for, its blocks keeping what the plan chose for each
+            (``modules``, ``engine`` and ``replay_budget`` stay at their
+            defaults: the plan has them).
         modules: which modules: ``None`` (default) finds the model's repeated
             blocks (Hugging Face ``GradientCheckpointingLayer``s; else the
             children of a ``ModuleList``/``ModuleDict``/``nn.Sequential`` that
@@ -138,6 +144,18 @@ def apply_sac(
     """
     if engine not in ENGINES:
         raise ValueError(f"torch_sac.apply_sac: engine must be one of {ENGINES}, got {engine!r}")
+    if isinstance(policy, RegionPlan):
+        if modules is not None or engine != REGION or replay_budget is not None:
+            raise ValueError(
+                "torch_sac.apply_sac: a PeakPlan is for one region around the model, as it was "
+                "planned: pass it without modules=, engine= or replay_budget= (it has its own)"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}"
+            )
+        op_policy, planned_budget = unpack_plan(policy, None)
+        return _apply(model, [model], lambda m: op_policy, REGION, False, planned_budget)
     check_replay_budget(replay_budget, "apply_sac")
     if replay_budget is not None and engine != REGION:
         raise ValueError(
@@ -149,8 +167,13 @@ def apply_sac(
             f"torch_sac.apply_sac: model must be an nn.Module, got {type(model).__name__}"
         )
     selected = select_blocks(model, modules)
+    return _apply(model, selected, policy, engine, allow_cache_entry_mutation, replay_budget)
+
+
+def _apply(model, selected, policy, engine, allow_cache_entry_mutation, replay_budget):
+    """Wraps the forward of each module of ``selected`` (of ``model``)."""
     wanted = set(selected)
-    names = {m: n for n, m in model.named_modules() if m in wanted}
+    names = {m: n or type(m).__name__ for n, m in model.named_modules() if m in wanted}
     handle = SacHandle({m: names[m] for m in selected}, engine)
     per_module = _is_per_module(policy)
     for module in selected:

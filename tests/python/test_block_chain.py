@@ -354,3 +354,28 @@ def test_blocks_found_only_while_the_step_runs():
     plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
     plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7))
     assert plan.blocks is not None and len(plan.blocks) == len(layers)
+
+
+def test_apply_sac_takes_a_plan_over_blocks():
+    model, batch, layers = hf_model("gpt2")
+
+    def step():
+        return model(**batch).loss
+
+    want_loss, want_grads, plain_peak = run_step(model, batch)
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain_peak * 0.7))
+    handle = torch_sac.apply_sac(model, plan)
+    try:
+        assert handle.modules == ["GPT2LMHeadModel"]
+        got_loss, got_grads, peak = run_step(model, batch)
+        stats = handle.stats()["total"]
+    finally:
+        handle.remove()
+    assert "forward" not in vars(model)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    assert peak <= plan.peak_bytes and stats["dropped_ops"] > 0
+    for bad in ({"modules": type(layers[0])}, {"engine": "dropin"}, {"replay_budget": 1 << 20}):
+        with pytest.raises(ValueError, match="PeakPlan is for one region"):
+            torch_sac.apply_sac(model, plan, **bad)
+    assert "forward" not in vars(model)

@@ -94,8 +94,10 @@ class PeakPlan(RegionPlan):
           are recomputed; the budget still bounds what backward holds, but
           the peak is only checked for what was measured.
         * One outermost region: nested in another region it raises; the
-          drop-in contexts and ``apply_sac`` do not take it. Under
-          ``torch.compile`` only its forward policy applies (a warning).
+          drop-in contexts do not take it. ``apply_sac(model, plan)`` runs
+          the model's forward as that region (for a step that starts by
+          calling the model). Under ``torch.compile`` only its forward
+          policy applies (a warning when it has a replay budget).
         * Planning calls ``fn`` (forward and backward) at most 10 times
           (:attr:`planning_runs`). After each call it puts back what the
           call changed: the buffers of the modules ``fn`` calls (BatchNorm
