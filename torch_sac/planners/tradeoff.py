@@ -121,7 +121,8 @@ class Frontier:
 
     def plot(self, path: str, title: str | None = None) -> str:
         """Draws peak (x) against step time (y), both as ratios to no
-        checkpointing: the plans as a line, the recipes as labelled points.
+        checkpointing: the plans as points, the recipes as labelled points,
+        and the curve (:meth:`pareto`) as a line.
         Needs matplotlib (Agg backend, no window). Returns ``path``."""
         from .._profile_report import agg_figure
 
@@ -129,8 +130,10 @@ class Frontier:
         ax = fig.add_subplot(1, 1, 1)
         x = lambda p: p.peak / self.none.peak  # noqa: E731
         y = lambda p: p.seconds / self.none.seconds  # noqa: E731
-        plans = sorted((p for p in self.points if p.kind == "plan"), key=x)
-        ax.plot([x(p) for p in plans], [y(p) for p in plans], "o-", label="torch_sac plans")
+        plans = [p for p in self.points if p.kind == "plan"]
+        ax.plot([x(p) for p in plans], [y(p) for p in plans], "o", label="torch_sac plans")
+        front = self.pareto()
+        ax.plot([x(p) for p in front], [y(p) for p in front], "-", color="0.5", label="the curve")
         for p in self.points:
             if p.kind == "plan":
                 continue
