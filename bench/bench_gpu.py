@@ -25,9 +25,12 @@ plans, which are one region around the whole step):
 * torch_sac drop-in: ``torch.utils.checkpoint`` with
   ``context_fn=partial(torch_sac.create_selective_checkpoint_contexts, save_matmuls())``;
 * ``torch_sac.apply_sac(model, save_matmuls())``;
-* peak plans ``torch_sac.policies.plan_peak(step, peak_bytes=P)`` at 0.5x and
-  0.25x of no checkpointing's step peak (above the memory allocated before
-  the step); a plan the planner refuses shows its reason in the row.
+* peak plans ``torch_sac.policies.plan_peak(step, peak_bytes=P)`` at the
+  step peak measured for ``torch.utils.checkpoint`` per block, and at 0.5x,
+  0.35x and 0.25x of no checkpointing's step peak (above the memory
+  allocated before the step); the row's note says the solver (``block
+  chain``: an option per block; else multiple recomputation) and a plan
+  the planner refuses shows its reason in the row.
 
 Columns:
 
@@ -224,6 +227,10 @@ def wrap_layers(layers, make):
     return undo
 
 
+# A plan row's target: the peak measured for torch.utils.checkpoint per block.
+PER_BLOCK = "per-block"
+
+
 class Row:
     def __init__(self, name, install=None, plan_fraction=None):
         self.name = name
@@ -292,12 +299,15 @@ def make_rows():
         Row("torch_sac region, recompute_all", region(torch_sac.policies.recompute_all)),
         Row("drop-in (checkpoint + torch_sac ctx), save_matmuls", dropin),
         Row("apply_sac, save_matmuls", apply_sac),
+        Row("peak plan at per-block checkpoint's peak", plan_fraction=PER_BLOCK),
         Row("peak plan 0.5x no-ckpt peak", plan_fraction=0.5),
+        Row("peak plan 0.35x no-ckpt peak", plan_fraction=0.35),
         Row("peak plan 0.25x no-ckpt peak", plan_fraction=0.25),
     ]
 
 
 NONE, TORCH_SAC_ROW = "no checkpointing", "PyTorch SAC, save matmuls"
+PER_BLOCK_ROW = "torch.utils.checkpoint per block"
 
 
 # --------------------------------------------------------------------------
@@ -547,11 +557,23 @@ def bench_model(args, dev, name, spec, deadline):
         f"{fmt_bytes(dev.peak() - plain_peak)} allocated before the step"
     )
 
+    per_block_peak = None
+    if any(r.plan_fraction == PER_BLOCK for r in rows):
+        per_block = by_name[PER_BLOCK_ROW]
+        b.measured(per_block)
+        per_block_peak = per_block.peaks_above[-1]
+        for samples in (per_block.peaks, per_block.peaks_above, per_block.times, per_block.walls):
+            samples.clear()
+        log(f"[{name}] {PER_BLOCK_ROW}: step peak {fmt_bytes(per_block_peak)}")
+
     plan_seconds = 0.0
     for row in rows:
         if row.plan_fraction is None:
             continue
-        target = int(plain_peak * row.plan_fraction)
+        if row.plan_fraction == PER_BLOCK:
+            target = per_block_peak
+        else:
+            target = int(plain_peak * row.plan_fraction)
         if past(0.45):
             row.error = "skipped: past the deadline's share for planning (--deadline)"
             cut.append(row.name)

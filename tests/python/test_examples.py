@@ -67,3 +67,44 @@ def test_peak_plan_example_fits_and_is_bitwise():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("fits") == 2, proc.stdout
     assert proc.stdout.count("bitwise equal to no checkpointing") == 2, proc.stdout
+
+
+def test_bench_frontier_quick_runs_and_reports_its_targets():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "bench", "bench_frontier.py"),
+            "--quick",
+            "--models",
+            "llama",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=PROGRAM_LIMIT_S,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "chain solver, 100 blocks x 10 options" in out
+    assert "plan at each recipe's peak" in out and "checkpoint per block" in out
+    assert "monotone (more memory never slower beyond 3 %)" in out
+
+
+def test_bench_gpu_runs_tiny_on_the_cpu():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "bench", "bench_gpu.py"), "--device", "cpu"]
+        + ["--tiny", "--models", "gpt2"],
+        capture_output=True,
+        text=True,
+        timeout=PROGRAM_LIMIT_S,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "peak plan at per-block checkpoint's peak" in proc.stdout
+    assert "DIFF" not in proc.stdout.split("| row |")[-1], proc.stdout[-3000:]

@@ -171,12 +171,14 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         torch.enable_grad(),
         memory.track(device) as m,
     ):
+        _synchronize(device)
         start = time.perf_counter()
         if policy is None:
             out = fn(*args, **kwargs)
         else:
             with sac_context(policy, replay_budget=replay_budget) as region:
                 out = fn(*args, **kwargs)
+        _synchronize(device)
         forward_seconds = time.perf_counter() - start
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         output_device = _device_of(outputs)
@@ -196,6 +198,7 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
             outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True
         )
         del outputs
+        _synchronize(device)
         seconds = time.perf_counter() - start
     if region is None:
         return _Run(m.peak, seconds, forward_seconds, output_device)
@@ -208,6 +211,12 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         region.replay_schedule(),
         region.op_details(),
     )
+
+
+def _synchronize(device):
+    """Waits for ``device``'s queued work, so the host clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _first_sweep(schedule):
