@@ -752,8 +752,14 @@ def test_planner_argument_errors_are_clear():
         with pytest.raises(ValueError, match="nested"):
             with torch_sac.sac_context(plan):
                 pass
+    # The drop-in's contexts take policies, not a plan; apply_sac takes it
+    # only as the one region around the model.
     with pytest.raises(TypeError, match="runs as one region"):
-        torch_sac.apply_sac(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), plan)
+        torch_sac.create_selective_checkpoint_contexts(plan)
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="PeakPlan is for one region"):
+        torch_sac.apply_sac(seq, plan, modules=nn.Linear)
+    assert "forward" not in vars(seq) and all("forward" not in vars(m) for m in seq)
     assert_clean()
 
 
