@@ -123,6 +123,24 @@ def test_recipes_are_points_of_the_space_and_more_memory_is_never_slower():
         last = solution.seconds
 
 
+def test_a_segment_peaks_at_the_backward_of_any_of_its_blocks():
+    # Gradients larger than the later blocks' activations: the segment's
+    # peak is at its first block's backward (its activations rebuilt, every
+    # gradient made), not at its last block's (a reviewer's case).
+    big = ChainBlock(
+        (ChainOption("keep all", 1000, 0.0), ChainOption("input", 10, 1.0)), 10, 1000, 1.0, 1000
+    )
+    small = ChainBlock(
+        (ChainOption("keep all", 10, 0.0), ChainOption("input", 10, 1.0)), 10, 10, 1.0, 1000
+    )
+    segment = [BlockChoice("segment start", (0, 1)), BlockChoice("in segment", (0, 1))]
+    assert model_peak([big, small], segment, 0, 0) == 1000 + 1000 + 1000
+    # Below that no choice fits (block 0's backward holds as much in each).
+    assert solve_chain([big, small], 2900, 0, 0) is None
+    solution = solve_chain([big, small], 3100, 0, 0)
+    assert solution is not None and solution.peak <= 3100
+
+
 def test_nothing_fits_below_the_constant():
     blocks = random_chain(random.Random(1), 3)
     assert solve_chain(blocks, 100, 100, 0) is None
@@ -245,6 +263,28 @@ def test_blocks_none_plans_the_op_chain_and_bad_blocks_raise():
         torch_sac.policies.plan_peak(step, peak_bytes=plain, blocks=[layers[0], 3])
 
 
+def test_explicit_blocks_that_are_not_a_chain_raise():
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40).no_checkpoint_peak
+    other, _, other_layers = hf_model("llama")  # never called by the step
+    for blocks in (other_layers, layers[::-1]):
+        with pytest.raises(ValueError, match="cannot be planned as a chain"):
+            torch_sac.policies.plan_peak(step, peak_bytes=int(plain * 0.7), blocks=blocks)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_block_runs_reads_as_runs():
+    from torch_sac.planners.peak_plan import block_runs
+
+    blocks = ["input", "input", "matmuls", "segment start", "in segment"]
+    blocks += ["segment start", "in segment", "in segment", "keep all"]
+    assert block_runs(blocks) == "0-1 input, 2 matmuls, 3-4 segment, 5-7 segment, 8 keep all"
+
+
 def test_blocks_called_twice_fall_back_to_the_op_chain():
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
@@ -301,6 +341,20 @@ def test_frontier_measures_plans_and_recipes(tmp_path):
     pytest.importorskip("matplotlib")
     path = f.plot(str(tmp_path / "frontier.png"))
     assert (tmp_path / "frontier.png").stat().st_size > 1000 and path.endswith(".png")
+
+
+def test_frontier_puts_back_forwards_set_before_it():
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
+    wrapped = [vars(layer)["forward"] for layer in layers]
+    torch_sac.policies.frontier(step, fractions=(0.7,), rounds=1, recipes=True)
+    assert [vars(layer).get("forward") for layer in layers] == wrapped
+    handle.remove()
+    assert all("forward" not in vars(layer) for layer in layers)
 
 
 def test_frontier_needs_blocks():

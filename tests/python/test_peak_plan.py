@@ -811,3 +811,23 @@ def test_none_needed_plan_counts_the_replays_of_regions_inside_fn():
         out = fn()
     out.sum().backward()
     assert region.stats()["replayed_ops"] == plan.recomputed_ops
+
+
+def test_a_step_that_runs_its_own_backward_is_measured_with_it():
+    # A step calling backward itself: that backward is the run's (its graph
+    # is freed, planning runs none after it); one returning nothing to run
+    # backward from, and running none, is refused clearly.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(256, 32)
+
+    def step():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    plan = budget(step, peak_bytes=1 << 40)
+    assert plan.solver == "none needed" and plan.measured_peak > 0
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="returned no tensor"):
+        budget(lambda: None, peak_bytes=1 << 40)

@@ -10,9 +10,10 @@ The model of one step (``block_options.py`` measures its terms):
   starting a segment of several blocks keeps only its input, and the
   blocks after it in the segment keep nothing (``checkpoint_sequential``).
 * Backward of a segment ``[j..e]`` starts by rebuilding all of it: while
-  block ``e``'s backward runs, memory holds what blocks before ``j`` keep,
-  the segment's full activations (``activation``, input included), and the
-  parameters' gradients of blocks ``e`` and after (``grad``).
+  the backward of its block ``i`` runs, memory holds what blocks before
+  ``j`` keep, the full activations (``activation``, input included) of
+  blocks ``j..i``, and the parameters' gradients of blocks ``i`` and after
+  (``grad``); the segment's need is the most of these.
 * Forward's end holds what every block keeps.
 * Everything else (parameters, what runs outside the blocks, workspace,
   the outputs) is a constant of the step, ``base`` (backward) and
@@ -98,6 +99,17 @@ def _segment_kept(blocks, choice_index, j, e):
     return blocks[j].input_bytes
 
 
+def _segment_need(blocks, grads_after, j, e):
+    """The most a segment ``[j..e]`` holds above what blocks before it keep:
+    at the backward of each block ``i`` in it, the rebuilt activations of
+    ``j..i`` and the gradients of ``i`` and after."""
+    need, activation = 0, 0
+    for i in range(j, e + 1):
+        activation += blocks[i].activation
+        need = max(need, activation + grads_after[i])
+    return need
+
+
 def model_peak(blocks, choices, base, forward_base):
     """The modelled peak of ``choices`` (a list of :class:`BlockChoice`)."""
     index = {(j, o.name): k for j, b in enumerate(blocks) for k, o in enumerate(b.options)}
@@ -105,8 +117,7 @@ def model_peak(blocks, choices, base, forward_base):
     kept_before, peak, j = 0, 0, 0
     while j < len(blocks):
         e = choices[j].segment[1]
-        activation = sum(b.activation for b in blocks[j : e + 1])
-        peak = max(peak, base + kept_before + activation + grads_after[e])
+        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e))
         if e == j:
             kept_before += blocks[j].options[index[(j, choices[j].option)]].kept
         else:
@@ -146,12 +157,16 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
     choice_option = np.full((n + 1, slots + 1), -1, dtype=np.int64)
     for j in range(n - 1, -1, -1):
         best = cost[j]
-        activation = 0
+        activation, held = 0, 0
         replay = 0.0
         for e in range(j, min(n, j + max_segment)):
             activation += blocks[e].activation
             replay += blocks[e].full_seconds
-            need = to_slots(activation + grads_after[e])
+            # The segment's most, at the backward of one of its blocks
+            # (_segment_need): it only grows with e, so a longer segment
+            # that does not fit is never tried.
+            held = max(held, activation + grads_after[e])
+            need = to_slots(held)
             if need > slots:
                 break
             if e == j:

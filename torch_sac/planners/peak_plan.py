@@ -315,11 +315,18 @@ class PeakPlan(RegionPlan):
 
 def block_runs(blocks):
     """Per-block options as runs: ``0-3 input, 4 matmuls, 5-7 segment``."""
-    parts, start = [], 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[start] or blocks[i] == "segment start":
-            name = blocks[start]
-            where = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-            parts.append(f"{where} {name}")
-            start = i
+    parts, start, n = [], 0, len(blocks)
+    while start < n:
+        name = blocks[start]
+        end = start + 1
+        if name == "segment start":
+            while end < n and blocks[end] == "in segment":
+                end += 1
+            name = "segment"
+        else:
+            while end < n and blocks[end] == blocks[start]:
+                end += 1
+        where = f"{start}" if end - 1 == start else f"{start}-{end - 1}"
+        parts.append(f"{where} {name}")
+        start = end
     return ", ".join(parts)

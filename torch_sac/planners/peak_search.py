@@ -150,9 +150,11 @@ def _gc_paused():
             gc.enable()
 
 
-def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
+def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None, ran_backward=None):
     """One forward+backward of fn, its peak measured on ``device``; the RNG
-    state of the CPU and of the CUDA devices in use is restored after it."""
+    state of the CPU and of the CUDA devices in use is restored after it.
+    When ``ran_backward()`` says fn ran its own backward (a gradient it
+    tracks was made), that backward is the run's."""
     rng_devices = set(cuda_devices((args, kwargs)))
     if device.type == "cuda":
         rng_devices.add(device.index or 0)
@@ -182,21 +184,31 @@ def _measure(fn, args, kwargs, where, device, policy=None, replay_budget=None):
         forward_seconds = time.perf_counter() - start
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         output_device = _device_of(outputs)
-        if not outputs:
+        if ran_backward is not None and ran_backward():
+            outputs = []  # fn's own backward ran: nothing more to run
+            output_device = output_device or _device_of(out)
+        elif not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            raise ValueError(
+                f"torch_sac.{where}: fn returned no tensor (got {type(out).__name__}) and ran no "
+                "backward: return the loss (planning runs backward from it), or call backward "
+                "in fn"
+            )
+        elif not outputs:
             raise ValueError(
                 f"torch_sac.{where}: fn's outputs do not require grad, so there is no backward "
                 "to plan; call it with inputs or parameters that require grad"
             )
         del out
-        if all(o.grad_fn is None for o in outputs):
+        if outputs and all(o.grad_fn is None for o in outputs):
             raise ValueError(
                 f"torch_sac.{where}: fn returns only leaf tensors (no op ran on them), so there "
                 "is no backward to plan"
             )
-        leaves = _graph_leaves(outputs)
-        torch.autograd.grad(
-            outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True
-        )
+        if outputs:
+            leaves = _graph_leaves(outputs)
+            torch.autograd.grad(
+                outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True
+            )
         del outputs
         _synchronize(device)
         seconds = time.perf_counter() - start
@@ -263,7 +275,16 @@ class Planner:
 
     def run(self, policy=None, budget=None):
         with self.state.run():
-            r = _measure(self.fn, self.args, self.kwargs, self.where, self.device, policy, budget)
+            r = _measure(
+                self.fn,
+                self.args,
+                self.kwargs,
+                self.where,
+                self.device,
+                policy,
+                budget,
+                self.state.ran_backward,
+            )
         self.measured.append(r)
         return r
 
@@ -297,6 +318,12 @@ class Planner:
         try:
             chain_spans(profile, len(blocks))
         except NotAChain as e:
+            if self.blocks != "auto":
+                raise ValueError(
+                    f"torch_sac.{self.where}: the blocks= given cannot be planned as a chain: "
+                    f"{e}; pass the modules the step runs once each, one after the other, in "
+                    "that order (or blocks='auto', or None to plan the op chain)"
+                ) from None
             self.chain_note = str(e)
             return None
         # The profile's calls as the region numbers them (one more forward).

@@ -181,6 +181,11 @@ class StepState:
         self.keep.append(t)
         t.grad = None
 
+    def ran_backward(self):
+        """Whether a gradient was made during this run (fn ran its own
+        backward into the tensors planning tracks)."""
+        return any(t.grad is not None for t, _ in self.grads.values())
+
     def _pre_hook(self, module, args):
         if id(module) not in self.modules and threading.get_ident() == self.thread:
             self.roots.append(module)

@@ -163,20 +163,24 @@ def _blocks_text(blocks):
 
 @contextlib.contextmanager
 def _wrapped(blocks, wrap):
-    """Each block's forward replaced by ``wrap(forward)`` (where ``wrap`` is
-    not None for its index), put back on exit."""
-    patched = []
+    """Each block's forward replaced by ``wrap(i)(forward)`` (where that is
+    not None for its index ``i``), put back on exit: a forward set on the
+    instance before (a user's wrapper, ``apply_sac``'s) is restored."""
+    patched = []  # (block, its own forward attribute or None)
     try:
         for i, block in enumerate(blocks):
             wrapper = wrap(i)
             if wrapper is None:
                 continue
+            patched.append((block, vars(block).get("forward")))
             block.forward = functools.partial(wrapper, block.forward)
-            patched.append(block)
         yield
     finally:
-        for block in patched:
-            del block.forward
+        for block, own in patched:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
 
 
 def _torch_checkpoint(forward, *args, **kwargs):
