@@ -82,6 +82,7 @@ class StepBlocks:
     Attributes:
         chain: the :class:`~torch_sac.planners.chain.ChainBlock` of each block.
         outside: record indices of the calls outside the blocks (always kept).
+        head_bytes: what the calls after the last block keep for backward.
     """
 
     def __init__(self, profile: RegionProfile, blocks):
@@ -95,6 +96,17 @@ class StepBlocks:
             for i in range(s.start, s.end):
                 owner_block[i] = s.block
         self.outside = [i for i in range(len(records)) if i not in owner_block]
+        # What the calls after the last block keep for backward (the head,
+        # the loss): freed before the blocks' backward starts.
+        self.head_bytes = sum(
+            storages[st].nbytes
+            for st in {
+                st
+                for i in range(spans[-1].end, len(records))
+                for st in records[i].new_storages
+                if storages[st].internal and storages[st].saved_by_autograd
+            }
+        )
         # The storage each block reads as its input, and the call that made
         # it when that call is in the previous block (a boundary to keep).
         boundaries = set()

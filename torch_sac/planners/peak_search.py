@@ -49,7 +49,7 @@ from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
 from .block_options import NotAChain, StepBlocks, chain_spans, find_step_blocks
-from .chain import model_peak, solve_chain
+from .chain import kept_bytes, model_peak, solve_chain
 from .peak_plan import PeakPlan
 from .region_numbering import region_call_names, renumber
 from .step_state import StepState
@@ -350,19 +350,21 @@ class Planner:
         fitting candidate of least modelled time, or None (``chain_note``
         says why)."""
         chain = step.chain
-        # The constant of the model: what the run without checkpointing
-        # measured above the modelled keeping of every block's activations.
-        base = self.plain.peak - model_peak(chain, step.recipe("keep all"), 0, 0)
+        # The constants of the model: at forward's end, what the run without
+        # checkpointing measured above what its blocks keep; in the blocks'
+        # backward, that less what the head keeps (freed by then).
+        forward_base = self.plain.peak - kept_bytes(chain, step.recipe("keep all"))
+        base = forward_base - step.head_bytes
         resolution = max(int(peak_bytes * _RESOLUTION), 1)
         offset, tried, best = 0, [], None
         self.chain_note = None
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
                 break
-            solution = solve_chain(chain, peak_bytes - offset, base, base)
+            solution = solve_chain(chain, peak_bytes - offset, base, forward_base)
             if solution is None:
                 per_block = step.recipe("input")
-                if tried or model_peak(chain, per_block, base, base) > peak_bytes * (
+                if tried or model_peak(chain, per_block, base, forward_base) > peak_bytes * (
                     1 + _CHAIN_SLACK
                 ):
                     self.chain_note = "the chain's modelled least peak is above peak_bytes"
