@@ -15,7 +15,20 @@ import torch.nn.functional as F
 import torch_sac
 from torch_sac.models import TinyGPT
 
-__all__ = ["main"]
+__all__ = ["add_model_arguments", "main"]
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, blocks: int) -> None:
+    """The TinyGPT and batch options both commands take."""
+    p.add_argument(
+        "--blocks", type=int, default=blocks, help=f"transformer blocks (default {blocks})"
+    )
+    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout (default 0.1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,13 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Peak memory against step time for plans over a TinyGPT's blocks and the "
         "recipes users write by hand (torch_sac.policies.frontier).",
     )
-    p.add_argument("--blocks", type=int, default=8, help="transformer blocks (default 8)")
-    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout (default 0.1)")
+    add_model_arguments(p, blocks=8)
     p.add_argument(
         "--fractions",
         default="0.8,0.6,0.5,0.4,0.3",

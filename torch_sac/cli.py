@@ -54,6 +54,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torch_sac
+from torch_sac._cli_frontier import add_model_arguments
+from torch_sac._cli_frontier import main as frontier_main
 from torch_sac._cli_report import plot_tradeoff, print_table
 from torch_sac._op_profile import format_bytes
 from torch_sac.models import TinyGPT
@@ -121,13 +123,7 @@ def _parser():
         "around the step, planned for F times the step's peak without checkpointing). "
         "Example: python -m torch_sac --blocks 2 --policies none,save_matmuls,budget-0.5",
     )
-    p.add_argument("--blocks", type=int, default=4, help="transformer blocks (default 4)")
-    p.add_argument("--dim", type=int, default=128, help="model width (default 128)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256)")
-    p.add_argument("--dropout", type=float, default=0.1, help="dropout (default 0.1)")
+    add_model_arguments(p, blocks=4)
     p.add_argument("--steps", type=int, default=5, help="timed steps per policy (default 5)")
     p.add_argument(
         "--policies",
@@ -513,8 +509,6 @@ def _run(args, out):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["frontier"]:
-        from torch_sac._cli_frontier import main as frontier_main
-
         return frontier_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
