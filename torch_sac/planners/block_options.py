@@ -159,11 +159,17 @@ class StepBlocks:
                 seconds = sum(records[i].seconds for i in every if i not in chosen)
                 return ChainOption(name, kept(saved), seconds), saved
 
-            options = [option("keep all", calls)]
+            # Keeping everything keeps the calls whose outputs are written
+            # later too (dropout's mask: empty_like, bernoulli_, div_): a
+            # region keeps the storage itself, as saving everything does, so
+            # no random mask is drawn again in backward. (Only policies that
+            # cache a call's output at the call, PyTorch's SAC and the
+            # drop-in, cannot; a plan runs as a region.)
+            options = [option("keep all", every)]
             options.append(
                 option("matmuls", [i for i in calls if records[i].op._schema.name in _MATMULS])
             )
-            activation = kept(calls)
+            activation = kept(every)
             for share in KNAPSACK_SHARES:
                 options.append(
                     option(f"knapsack {share:.0%}", self._knapsack(calls, int(share * activation)))
@@ -205,7 +211,7 @@ class StepBlocks:
         everything outside the blocks, each segment's input, and each
         single-block segment's option."""
         records = self.profile.records
-        saved = {i for i in self.outside if records[i].saveable}
+        saved = set(self.outside)  # everything, as "keep all" (above)
         for block, choice in enumerate(choices):
             if choice.option == "in segment":
                 continue
