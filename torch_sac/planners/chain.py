@@ -104,12 +104,6 @@ class ChainSolution:
     peak: int  # the modelled peak, base included
 
 
-def _segment_kept(blocks, choice_index, j, e):
-    if e == j:
-        return blocks[j].options[choice_index].kept
-    return blocks[j].input_bytes
-
-
 def _segment_need(blocks, grads_after, j, e):
     """The most a segment ``[j..e]`` holds above what blocks before it keep:
     as the backward of each block ``i`` in it starts, the activations of
@@ -131,30 +125,34 @@ def _during(blocks, grads_after, i):
     return grads_after[i + 1] + blocks[i].grad // 2
 
 
-def kept_bytes(blocks, choices):
-    """What forward keeps of the blocks under ``choices``."""
-    index = {(j, o.name): o.kept for j, b in enumerate(blocks) for o in b.options}
-    kept, j = 0, 0
+def _grads_after(blocks):
+    """``[g_i + g_(i+1) + ...]`` for each block, and 0 after the last."""
+    return np.cumsum([b.grad for b in blocks][::-1])[::-1].tolist() + [0]
+
+
+def _segments(blocks, choices):
+    """``(j, e, kept)`` for each segment ``[j..e]`` of ``choices``: what
+    forward keeps of it (its option's bytes, or only its input)."""
+    kept_by_name = {(j, o.name): o.kept for j, b in enumerate(blocks) for o in b.options}
+    j = 0
     while j < len(blocks):
         e = choices[j].segment[1]
-        kept += index[(j, choices[j].option)] if e == j else blocks[j].input_bytes
+        yield j, e, kept_by_name[(j, choices[j].option)] if e == j else blocks[j].input_bytes
         j = e + 1
-    return kept
+
+
+def kept_bytes(blocks, choices):
+    """What forward keeps of the blocks under ``choices``."""
+    return sum(kept for _, _, kept in _segments(blocks, choices))
 
 
 def model_peak(blocks, choices, base, forward_base):
     """The modelled peak of ``choices`` (a list of :class:`BlockChoice`)."""
-    index = {(j, o.name): k for j, b in enumerate(blocks) for k, o in enumerate(b.options)}
-    grads_after = np.cumsum([b.grad for b in blocks][::-1])[::-1].tolist() + [0]
-    kept_before, peak, j = 0, 0, 0
-    while j < len(blocks):
-        e = choices[j].segment[1]
+    grads_after = _grads_after(blocks)
+    kept_before, peak = 0, 0
+    for j, e, kept in _segments(blocks, choices):
         peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e))
-        if e == j:
-            kept_before += blocks[j].options[index[(j, choices[j].option)]].kept
-        else:
-            kept_before += blocks[j].input_bytes
-        j = e + 1
+        kept_before += kept
     return max(peak, forward_base + kept_before)
 
 
@@ -177,7 +175,7 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
     quantum = room / slots
     to_slots = lambda b: math.ceil(b / quantum - 1e-9) if b > 0 else 0  # noqa: E731
     max_segment = n if max_segment is None else max(1, min(max_segment, n))
-    grads_after = np.cumsum([b.grad for b in blocks][::-1])[::-1].tolist() + [0]
+    grads_after = _grads_after(blocks)
     memory = np.arange(slots + 1)
     # cost[j][m]: least recompute of blocks j.. with m slots left above
     # what blocks before j keep; inf where nothing fits.
