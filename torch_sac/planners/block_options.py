@@ -27,12 +27,20 @@ from .._op_profile import RegionProfile
 from .chain import BlockChoice, ChainBlock, ChainOption
 from .region_numbering import op_name
 
-__all__ = ["KNAPSACK_SHARES", "NotAChain", "StepBlocks", "chain_spans", "find_step_blocks"]
+__all__ = [
+    "KNAPSACK_SHARES",
+    "MATMULS",
+    "NotAChain",
+    "StepBlocks",
+    "chain_spans",
+    "find_step_blocks",
+]
 
 # The knapsack options' budgets, as shares of a block's activations.
 KNAPSACK_SHARES = (0.25, 0.5, 0.75)
 
-_MATMULS = frozenset(_C.matmul_op_names())
+#: The qualified names of the matmul-class ops (``save_matmuls``' list).
+MATMULS = frozenset(_C.matmul_op_names())
 
 
 def find_step_blocks(modules):
@@ -167,7 +175,7 @@ class StepBlocks:
             # drop-in, cannot; a plan runs as a region.)
             options = [option("keep all", every)]
             options.append(
-                option("matmuls", [i for i in calls if records[i].op._schema.name in _MATMULS])
+                option("matmuls", [i for i in calls if records[i].op._schema.name in MATMULS])
             )
             activation = kept(every)
             for share in KNAPSACK_SHARES:

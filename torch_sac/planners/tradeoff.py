@@ -11,15 +11,21 @@ import statistics
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .. import _C
 from .._op_profile import format_bytes
 from ..checkpointing import checkpoint as sac_checkpoint
 from ..region import in_region
 from ..schedule import ReplaySchedule
+from .block_options import MATMULS
 from .checks import check_blocks, check_callable, check_examples
-from .peak_search import Planner, at_the_chains_floor
+from .peak_plan import block_runs
+from .peak_search import Planner, at_the_chains_floor, plan_for_peak
 from .step_state import StepState
 
 __all__ = ["Frontier", "FrontierPoint", "frontier"]
@@ -40,23 +46,25 @@ class FrontierPoint:
         seconds: median step time (forward and backward) over the rounds.
         target: for a plan, the peak it was planned for.
         blocks: for a plan, the option of each block.
-        policy: how to run it: for a plan, its forward policy for one
-            ``sac_context`` around the step.
+        policy, budget: how a plan runs: the forward policy and replay
+            budget of one ``sac_context`` around the step (None for a recipe).
+        install: how a recipe runs: a context manager factory that wraps
+            the blocks' forwards while it is entered (None: nothing to wrap).
     """
 
     def __init__(
         self,
         label: str,
         kind: str,
-        run: Callable[[], Any],
+        *,
+        install: Callable[[], Any] | None = None,
         target: int | None = None,
         blocks: list[str] | None = None,
         policy: Any = None,
         budget: Any = None,
     ) -> None:
         self.label, self.kind, self.target, self.blocks = label, kind, target, blocks
-        self.policy, self.budget = policy, budget
-        self._run = run
+        self.policy, self.budget, self.install = policy, budget, install
         self.times = []
         self.peak = None
 
@@ -154,11 +162,7 @@ class Frontier:
 
 
 def _blocks_text(blocks):
-    if blocks is None:
-        return ""
-    from .peak_plan import block_runs
-
-    return block_runs(blocks)
+    return "" if blocks is None else block_runs(blocks)
 
 
 @contextlib.contextmanager
@@ -187,21 +191,20 @@ def _torch_checkpoint(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _pytorch_matmul_policy(ctx, op, *args, **kwargs):
+    """PyTorch's SAC recipe as users write it: a plain ``policy_fn`` saving
+    the matmul-class ops (the same list as ``save_matmuls``)."""
+    if op._schema.name in MATMULS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _torch_sac_matmuls(forward, *args, **kwargs):
-    matmuls = set(_C.matmul_op_names())
-
-    def policy(ctx, op, *a, **k):
-        from torch.utils.checkpoint import CheckpointPolicy
-
-        if op._schema.name in matmuls:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
     return checkpoint(
         forward,
         *args,
         use_reentrant=False,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _pytorch_matmul_policy),
         **kwargs,
     )
 
@@ -294,30 +297,35 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
         )
     modules = step.modules
     n = len(step.chain)
-    points = [FrontierPoint("no checkpointing", "none", lambda: None)]
+    points = [FrontierPoint("no checkpointing", "none")]
 
     def region_point(label, kind, saved, **extra):
-        policy = ReplaySchedule([], saved).policy()
-        return FrontierPoint(label, kind, lambda: policy, policy=policy, **extra)
+        return FrontierPoint(label, kind, policy=ReplaySchedule([], saved).policy(), **extra)
 
     if recipes:
         every_block = lambda i: _torch_checkpoint  # noqa: E731
         points += [
-            FrontierPoint("checkpoint per block", "recipe", lambda: _wrapped(modules, every_block)),
+            FrontierPoint(
+                "checkpoint per block",
+                "recipe",
+                install=lambda: _wrapped(modules, every_block),
+            ),
             FrontierPoint(
                 "checkpoint every 2nd block",
                 "recipe",
-                lambda: _wrapped(modules, lambda i: _torch_checkpoint if i % 2 == 0 else None),
+                install=lambda: _wrapped(
+                    modules, lambda i: _torch_checkpoint if i % 2 == 0 else None
+                ),
             ),
             FrontierPoint(
                 "PyTorch SAC matmuls per block",
                 "recipe",
-                lambda: _wrapped(modules, lambda i: _torch_sac_matmuls),
+                install=lambda: _wrapped(modules, lambda i: _torch_sac_matmuls),
             ),
             FrontierPoint(
                 "torch_sac save_matmuls per block",
                 "recipe",
-                lambda: _wrapped(modules, lambda i: _own_matmuls),
+                install=lambda: _wrapped(modules, lambda i: _own_matmuls),
             ),
         ]
         k = max(2, round(math.sqrt(n)))
@@ -332,20 +340,24 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     seen = {}
     for label, target in targets:
         candidate = planner.chain_for(step, target)
-        if candidate is None:
-            # What plan_peak returns there (below what the blocks reach, its
-            # multiple recomputation).
-            point = _op_chain_point(fn, args, kwargs, label, target)
-            if point is not None:
+        if candidate is None or at_the_chains_floor(candidate.blocks):
+            # What plan_peak returns there: below what the blocks reach its
+            # multiple recomputation, and at their floor the better of that
+            # and the plan over blocks (already a point when it wins).
+            plan = _plan_peak(fn, args, kwargs, target)
+            if plan is not None and (candidate is None or plan.solver != "block chain"):
+                point = FrontierPoint(
+                    f"{label} ({plan.solver})",
+                    "plan",
+                    target=target,
+                    blocks=plan.blocks,
+                    policy=plan.policy(),
+                    budget=plan.replay_budget,
+                )
+                point.peak = plan.measured_peak
                 points.append(point)
-            continue
-        if at_the_chains_floor(candidate.blocks):
-            # What plan_peak weighs it against there (multiple recomputation).
-            point = _op_chain_point(fn, args, kwargs, label, target)
-            if point is not None and point.label.endswith("(block chain)"):
-                point = None
-            if point is not None:
-                points.append(point)
+            if candidate is None:
+                continue
         key = tuple(candidate.saved)
         if key in seen:
             continue
@@ -359,28 +371,16 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     return Frontier(points, rounds)
 
 
-def _op_chain_point(fn, args, kwargs, label, target):
-    from .peak_search import plan_for_peak
-
+def _plan_peak(fn, args, kwargs, target):
+    """What ``plan_peak`` returns for ``target``, or None where it refuses."""
     try:
-        plan = plan_for_peak(fn, args, kwargs, target, "policies.frontier")
+        return plan_for_peak(fn, args, kwargs, target, "policies.frontier")
     except ValueError:  # below the least peak measured
         return None
-    point = FrontierPoint(
-        f"{label} ({plan.solver})",
-        "plan",
-        lambda: None,
-        target=target,
-        policy=plan.policy(),
-        budget=plan.replay_budget,
-    )
-    point.peak = plan.measured_peak
-    return point
 
 
 def _run_point(planner, point):
-    how = point._run()
     if point.policy is not None:
         return planner.run(point.policy, point.budget)
-    with how if how is not None else contextlib.nullcontext():
+    with point.install() if point.install is not None else contextlib.nullcontext():
         return planner.run()
