@@ -99,6 +99,8 @@ class StepBlocks:
         self.modules = list(blocks)
         self.spans = spans
         records, storages = profile.records, profile.storages
+        # What keeping a storage costs the knapsack (outside ones are kept anyway).
+        self._storage_bytes = [st.nbytes if st.internal else 0 for st in storages]
         owner_block = {}
         for s in spans:
             for i in range(s.start, s.end):
@@ -203,10 +205,9 @@ class StepBlocks:
         of the block's storages, valued by their measured time."""
         if not calls:
             return []
-        records, storages = self.profile.records, self.profile.storages
-        storage_bytes = [s.nbytes if s.internal else 0 for s in storages]
+        records = self.profile.records
         solution = _C.budget_solve(
-            storage_bytes,
+            self._storage_bytes,
             [records[i].seconds for i in calls],
             [list(records[i].storages) for i in calls],
             budget,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import numbers
 import time
 
@@ -310,11 +311,10 @@ class Planner:
         if not blocks:
             self.chain_note = "no repeated blocks found"
             return None
-        start = time.perf_counter()
-        with self.state.run(), _gc_paused():
-            profile, out = profile_region(self.fn, self.args, self.kwargs, blocks=blocks)
-            del out
-        self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
+        # The profile only: its output (and the graph it holds) goes at once.
+        profile = self.forward_run(
+            lambda: profile_region(self.fn, self.args, self.kwargs, blocks=blocks)[0]
+        )
         try:
             chain_spans(profile, len(blocks))
         except NotAChain as e:
@@ -327,12 +327,20 @@ class Planner:
             self.chain_note = str(e)
             return None
         # The profile's calls as the region numbers them (one more forward).
+        renumber(
+            profile, self.forward_run(lambda: region_call_names(self.fn, self.args, self.kwargs))
+        )
+        return StepBlocks(profile, blocks)
+
+    def forward_run(self, call):
+        """``call()``, a forward of fn that is not a measured step (the
+        profile, the naming of calls): counted among the runs, the step's
+        state put back after it."""
         start = time.perf_counter()
         with self.state.run(), _gc_paused():
-            names = region_call_names(self.fn, self.args, self.kwargs)
+            result = call()
         self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
-        renumber(profile, names)
-        return StepBlocks(profile, blocks)
+        return result
 
     def chain_search(self):
         """A plan over the step's blocks, or None (:meth:`chain_for`)."""
@@ -356,7 +364,7 @@ class Planner:
         forward_base = self.plain.peak - kept_bytes(chain, step.recipe("keep all"))
         base = forward_base - step.head_bytes
         resolution = max(int(peak_bytes * _RESOLUTION), 1)
-        offset, tried, best = 0, [], None
+        offset, tried, best, best_seconds = 0, [], None, math.inf
         self.chain_note = None
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
@@ -377,9 +385,9 @@ class Planner:
                 break
             tried.append(saved)
             run = self.run(ReplaySchedule([], saved).policy())
-            run.modelled_seconds = seconds
             if run.peak <= peak_bytes:
-                if best is None or seconds < best.run.modelled_seconds:
+                if seconds < best_seconds:
+                    best_seconds = seconds
                     best = _Candidate(
                         run, saved, None, None, optimal=False, blocks=[c.option for c in choices]
                     )
