@@ -679,7 +679,7 @@ def test_budget_plans_name_calls_as_the_region_sees_them():
     """A budget plan of the masked-attention stack in training saves calls
     the region has (the planners renumber the profile's calls): with the
     whole budget it saves every call it can, and each is one the region sees."""
-    from torch_sac.planners.region_numbering import region_call_names
+    from torch_sac.planners.region_numbering import op_name, region_call_names
 
     module, x = masked_attention_stack()
     plan = torch_sac.policies.budget_for_region(module, (x,), bytes=1 << 40, repeats=0)
@@ -688,7 +688,5 @@ def test_budget_plans_name_calls_as_the_region_sees_them():
     for n in names:
         seen.add((n, counts[n]))
         counts[n] += 1
-    chosen = {
-        (f"{op._schema.name}.{op._schema.overload_name or 'default'}", i) for op, i in plan.chosen
-    }
+    chosen = {(op_name(op), i) for op, i in plan.chosen}
     assert chosen and chosen <= seen, sorted(chosen - seen)[:5]
