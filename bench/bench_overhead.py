@@ -24,7 +24,10 @@ so only ``context_fn`` differs:
 * ``torch_sac, save_ops``    - torch_sac with the same op list as a built-in
   C++ policy (``torch_sac.policies.save_ops``), no Python call per op;
 * ``torch_sac, callable``    - torch_sac with the same Python callable;
-* ``torch_sac, recompute_all`` - torch_sac's cheapest built-in (extra row).
+* ``torch_sac, recompute_all`` - torch_sac's cheapest built-in (extra row);
+* ``torch_sac region, save_ops`` / ``torch_sac region, callable`` - the region
+  engine (``with torch_sac.sac_context(policy): y = fn(x)``), no
+  ``torch.utils.checkpoint``: backward replays the dropped ops from C++.
 
 The interception adapter is chosen when torch_sac is imported
 (``TORCH_SAC_ADAPTER``), so the parent process runs this same script once per
@@ -33,10 +36,22 @@ the JSON each worker prints on stdout and prints one combined table. The
 PyTorch rows are measured in both workers, and every ratio is computed within
 one worker process (same process, same interleaved timing rounds).
 
-Added overhead per op = (variant step time - checkpoint step time) / ops
-intercepted per step. Variants run round-robin, one rep (many iterations) of
+Two measures, both per op intercepted by the checkpointed step:
+
+* **interception** (drop-in rows): (variant step time - plain checkpoint step
+  time) / ops. What a context_fn adds to ``torch.utils.checkpoint``. Targets:
+  key adapter <= 0.1x PyTorch SAC's, Python-key adapter <= 0.5x.
+* **SAC cost** (drop-in and region rows): (variant step time - eager step
+  time) / ops: everything checkpointing adds to the un-checkpointed step
+  (recompute or replay, interception, hooks, bookkeeping), against PyTorch
+  SAC's with the same kind of policy. Targets: region <= 0.2x and drop-in
+  <= 0.4x under the key adapter, <= 0.35x and <= 0.6x under the Python-key
+  adapter. The drop-in's floor is plain ``checkpoint``'s own cost (its row's
+  ratio), which re-runs the Python forward.
+
+ Variants run round-robin, one rep (many iterations) of
 each in turn; the added time is the median over reps of the difference to the
-plain-checkpoint rep of the same round (paired, so load bursts on a shared
+plain-checkpoint (or eager) rep of the same round (paired, so load bursts on a shared
 machine largely cancel). "Ops intercepted" is every op a TorchDispatchMode
 sees inside the checkpointed region in forward plus recompute (counted once
 with a counting mode used as context_fn; torch_sac's ``stats()`` are reported
@@ -71,6 +86,11 @@ TARGET_WORKLOADS = ("elementwise", "gpt")
 
 # Targets for torch_sac's added per-op overhead, as a fraction of PyTorch SAC's.
 TARGETS = {"key": 0.1, "python": 0.5}
+# Targets for the SAC cost over eager, as a fraction of PyTorch SAC's, per engine.
+COST_TARGETS = {
+    "key": {"region": 0.2, "drop-in": 0.4},
+    "python": {"region": 0.35, "drop-in": 0.6},
+}
 
 # (name, kind): kind is used to pick the matching PyTorch SAC reference.
 VARIANTS = [
@@ -81,7 +101,21 @@ VARIANTS = [
     ("torch_sac, save_ops", "sac-list"),
     ("torch_sac, callable", "sac-callable"),
     ("torch_sac, recompute_all", "sac-builtin"),
+    ("torch_sac region, save_ops", "region-list"),
+    ("torch_sac region, callable", "region-callable"),
 ]
+
+
+def engine_of(kind):
+    """'region', 'drop-in' or None (PyTorch's rows and the references)."""
+    if kind.startswith("region"):
+        return "region"
+    return "drop-in" if kind.startswith("sac") else None
+
+
+def same_torch_variant(kind):
+    """PyTorch SAC's row with the same kind of policy as a torch_sac row."""
+    return "torch SAC, callable" if kind.endswith("callable") else "torch SAC, op list"
 
 
 def log(*a):
@@ -206,6 +240,17 @@ def make_variants(torch, torch_sac, fn, x, targets):
                 return grad(checkpoint(fn, x, use_reentrant=False, context_fn=cfn).sum(), targets)
 
         steps[name] = step
+
+    def region_step(policy):
+        def step():
+            with torch_sac.sac_context(policy):
+                y = fn(x)
+            return grad(y.sum(), targets)
+
+        return step
+
+    steps["torch_sac region, save_ops"] = region_step(sac_save_ops)
+    steps["torch_sac region, callable"] = region_step(callable_policy)
     return steps, context_fns
 
 
@@ -347,9 +392,11 @@ def worker(args):
         iters, samples = measure(steps, args.reps, args.rep_seconds, args.warmup_seconds)
         log(f"[{active}] {wname}: done in {time.perf_counter() - t0:.1f} s ({iters} iters/rep)")
         base = samples["checkpoint"]
+        eager = samples["eager"]
         variants = {}
         for name, s in samples.items():
             paired = sorted(v - b for v, b in zip(s, base))
+            over_eager = sorted(v - e for v, e in zip(s, eager))
             variants[name] = {
                 "median_s": statistics.median(s),
                 "min_s": min(s),
@@ -357,6 +404,9 @@ def worker(args):
                 "paired_diff_median_s": statistics.median(paired),
                 "paired_diff_p25_s": paired[len(paired) // 4],
                 "paired_diff_p75_s": paired[(3 * len(paired)) // 4],
+                "cost_median_s": statistics.median(over_eager),
+                "cost_p25_s": over_eager[len(over_eager) // 4],
+                "cost_p75_s": over_eager[(3 * len(over_eager)) // 4],
             }
         out["workloads"][wname] = {
             "iters_per_rep": iters,
@@ -438,7 +488,22 @@ def summarize(results):
                     "target": None,
                     "target_met": None,
                 }
-                if kind.startswith("sac"):
+                engine = engine_of(kind)
+                if kind != "ref":
+                    same = "torch SAC, op list" if engine is None else same_torch_variant(kind)
+                    torch_cost = v[same]["cost_median_s"]
+                    r["cost_us_per_op"] = v[name]["cost_median_s"] / n_ops * 1e6
+                    r["cost_ratio"] = v[name]["cost_median_s"] / torch_cost
+                    r["cost_ratio_p25"] = v[name]["cost_p25_s"] / torch_cost
+                    r["cost_ratio_p75"] = v[name]["cost_p75_s"] / torch_cost
+                    if kind in ("sac-list", "region-list") and wname in TARGET_WORKLOADS:
+                        t = COST_TARGETS[adapter][engine]
+                        r["cost_target"] = t
+                        r["cost_target_met"] = r["cost_ratio"] <= t
+                        r["cost_target_borderline"] = (
+                            r["cost_ratio_p25"] <= t <= r["cost_ratio_p75"]
+                        )
+                if engine == "drop-in":
                     r["ratio_vs_torch_list"] = added(name) / added("torch SAC, op list")
                     same = "torch SAC, callable" if kind == "sac-callable" else "torch SAC, op list"
                     r["ratio_vs_torch_same"] = added(name) / added(same)
@@ -520,6 +585,10 @@ def print_report(results, summary, args):
                 added = "0 (base)"
                 step_added = "0"
                 spread = ""
+            elif engine_of(r["kind"]) == "region":
+                added = "n/a"  # no torch.utils.checkpoint under it: see the SAC cost
+                step_added = ""
+                spread = ""
             else:
                 added = f"{r['added_us_per_op']:.3f}"
                 spread = f"[{r['paired_p25_us_per_op']:.2f}, {r['paired_p75_us_per_op']:.2f}]"
@@ -531,6 +600,30 @@ def print_report(results, summary, args):
                 f"{r['process']:<8} {r['variant']:<26} {r['median_us']:>9.1f} {step_added:>9} {added:>12} "
                 f"{spread:>15} {fmt_ratio(r['ratio_vs_torch_list']):>14} "
                 f"{fmt_ratio(r['ratio_vs_torch_same']):>9} {target:>8} {met:>5}"
+            )
+        print(
+            "  SAC cost over eager (variant - eager, paired per rep), per op, and its ratio "
+            "to PyTorch SAC's with the same kind of policy:"
+        )
+        header = (
+            f"  {'process':<8} {'variant':<26} {'cost µs/op':>11} {'vs PyTorch SAC':>15} "
+            f"{'[p25, p75]':>16} {'target':>8} {'met?':>5}"
+        )
+        print(header)
+        print("  " + "-" * (len(header) - 2))
+        for r in rows:
+            if "cost_ratio" not in r:
+                continue
+            target = "" if r.get("cost_target") is None else f"<={r['cost_target']:g}x"
+            met = ""
+            if r.get("cost_target") is not None:
+                met = "yes" if r["cost_target_met"] else "NO"
+                if r["cost_target_borderline"]:
+                    met += "~"
+            band = f"[{r['cost_ratio_p25']:.2f}, {r['cost_ratio_p75']:.2f}]"
+            print(
+                f"  {r['process']:<8} {r['variant']:<26} {r['cost_us_per_op']:>11.3f} "
+                f"{r['cost_ratio']:>14.3f}x {band:>16} {target:>8} {met:>5}"
             )
 
     print()
@@ -551,6 +644,32 @@ def print_report(results, summary, args):
                     f"{r['ratio_same_p25']:.3f}-{r['ratio_same_p75']:.3f}x, target "
                     f"<= {r['target']:g}x)  -> {verdict}"
                 )
+
+
+def print_cost_verdicts(summary):
+    print()
+    print(
+        "Targets (SAC cost over eager per op / PyTorch SAC's, op-list policies): region "
+        "<= 0.2x, drop-in <= 0.4x under the key adapter; <= 0.35x and <= 0.6x under the "
+        "Python-key adapter."
+    )
+    for wname, rows in summary.items():
+        for r in rows:
+            if r.get("cost_target") is None:
+                continue
+            verdict = "met" if r["cost_target_met"] else "NOT met"
+            if r["cost_target_borderline"]:
+                verdict += " (within noise: target inside the quartile band)"
+            floor = next(
+                x["cost_ratio"]
+                for x in rows
+                if x["process"] == r["process"] and x["kind"] == "baseline"
+            )
+            print(
+                f"  {wname:<11} {r['process']:<6} {r['variant']:<26} {r['cost_ratio']:.3f}x "
+                f"(band {r['cost_ratio_p25']:.3f}-{r['cost_ratio_p75']:.3f}x, target "
+                f"<= {r['cost_target']:g}x; plain checkpoint {floor:.3f}x)  -> {verdict}"
+            )
 
 
 def parse_args(argv=None):
@@ -595,6 +714,7 @@ def main(argv=None):
     results = run_workers(args)
     summary = summarize(results)
     print_report(results, summary, args)
+    print_cost_verdicts(summary)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

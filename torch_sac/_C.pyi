@@ -173,7 +173,7 @@ class SelectiveCheckpoint:
 
 @final
 class SavedActivation:
-    """What autograd's saved-tensor hooks hold for a region (Region.pack)."""
+    """What autograd's saved-tensor hooks hold for a region (Region.pack_hook())."""
 
 @final
 class Region(OpHandler):
@@ -190,7 +190,9 @@ class Region(OpHandler):
     def push_policy(self, policy: OpPolicy, /) -> None: ...
     def pop_policy(self) -> None: ...
     def close(self) -> None: ...
-    def pack(self, tensor: torch.Tensor, /) -> SavedActivation: ...
+    def pack_hook(self) -> Callable[[torch.Tensor], SavedActivation]:
+        """The saved-tensor pack hook of this region (a builtin, no pybind11 call per tensor)."""
+
     def set_storage_restorer(
         self,
         restore: Callable[[torch.Tensor], bool],

@@ -125,9 +125,8 @@ PYBIND11_MODULE(_C, m) {
 
   // The region engine (sac_context). Every call into a Region releases the
   // GIL first (see saved_activation_handle.h for why).
-  using python::SavedActivationHandle;
   using NoGil = py::call_guard<py::gil_scoped_release>;
-  py::class_<SavedActivationHandle>(m, "SavedActivation");
+  python::register_saved_activation(m);
   py::class_<region::Region, OpHandler, std::shared_ptr<region::Region>>(m, "Region")
       .def(
           py::init<std::shared_ptr<OpPolicy>, bool, int64_t, bool, double>(), py::arg("policy"),
@@ -138,15 +137,7 @@ PYBIND11_MODULE(_C, m) {
       .def("push_policy", &region::Region::push_policy, NoGil())
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
-      .def(
-          "pack",
-          [](region::Region& self, const at::Tensor& t) {
-            if (auto saved = self.try_pack(t)) {
-              return SavedActivationHandle(std::move(*saved));
-            }
-            py::gil_scoped_release no_gil;
-            return SavedActivationHandle(self.pack(t));
-          })
+      .def("pack_hook", &python::pack_hook)
       .def(
           "set_storage_restorer",
           [](region::Region& self, py::object restore, py::object done) {
@@ -263,10 +254,6 @@ PYBIND11_MODULE(_C, m) {
   // The stats dicts' keys and what each counts, in dict order.
   m.def("dropin_stat_fields", [] { return stat_fields(kDropinStatFields); });
   m.def("region_stat_fields", [] { return stat_fields(region::kRegionStatFields); });
-  m.def("unpack_saved", [](const SavedActivationHandle& handle) {
-    py::gil_scoped_release no_gil;
-    return region::unpack(handle.saved);
-  });
 
   // While alive on a thread, handlers let ops through (compiled code runs).
   py::class_<OpaqueCodeGuard>(m, "OpaqueCode").def(py::init<>());

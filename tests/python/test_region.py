@@ -1785,3 +1785,35 @@ def test_custom_op_with_a_python_kernel_replays(backward_thread):
         (ours,) = torch.autograd.grad(loss, x)
     assert_tensors_equal(ours, ref, "x.grad")
     assert ctx.stats()["replayed_ops"] > 0
+
+
+def test_saved_tensor_hooks_refuse_what_they_did_not_make():
+    """The pack and unpack hooks are plain C callables: wrong arguments raise
+    TypeError naming what was expected, and nothing crashes."""
+    region = torch_sac._C.Region(torch_sac.policies.recompute_all(), False)
+    pack = region.pack_hook()
+    with pytest.raises(TypeError, match="pack hook takes a tensor, got list"):
+        pack([1, 2])
+    with pytest.raises(TypeError, match="unpack_saved takes what a region's pack hook returned"):
+        torch_sac._C.unpack_saved(torch.ones(2))
+    x = torch.randn(3)
+    saved = pack(x)
+    assert isinstance(saved, torch_sac._C.SavedActivation)
+    assert torch_sac._C.unpack_saved(saved) is not None
+    assert torch.equal(torch_sac._C.unpack_saved(saved), x)  # kept: it was not made in the region
+
+
+def test_pack_hook_keeps_its_region_alive():
+    """The pack hook owns its region: a region dropped by Python while autograd
+    still holds the hook (and what it packed) keeps working, and freeing the
+    saved activations after the region object is gone tells nobody dead."""
+    x = torch.randn(16, requires_grad=True)
+    (ref,) = torch.autograd.grad(x.sin().exp().sum(), x)
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        loss = x.sin().exp().sum()
+    del ctx
+    gc.collect()
+    (ours,) = torch.autograd.grad(loss, x, retain_graph=True)
+    assert_tensors_equal(ours, ref, "x.grad")
+    del loss  # frees every SavedActivation: each one forgets itself in its region
+    gc.collect()
