@@ -147,7 +147,9 @@ class sac_context:
             if self._replay_schedule is not None:
                 self._region.set_replay_schedule(self._replay_schedule._steps())
             self._owner = True
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._region.pack_hook(), _C.unpack_saved)
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._region.pack_hook(), _C.unpack_saved
+            )
             mode = handler_mode(self._region)
             hooks.__enter__()
             try:
