@@ -40,8 +40,8 @@ void saved_dealloc(PyObject* self) {
 void packer_dealloc(PyObject* self) {
   {
     // The region may be destroyed here; it never needs the GIL to die.
-    std::shared_ptr<region::Region> region =
-        std::move(reinterpret_cast<PackerObject*>(self)->region);
+    std::shared_ptr<region::Region> region = std::move(
+        reinterpret_cast<PackerObject*>(self)->region);
     py::gil_scoped_release no_gil;
     region.reset();
   }
@@ -134,8 +134,9 @@ PyTypeObject* make_type(PyType_Spec* spec) {
 void register_saved_activation(py::module_& m) {
   saved_type = make_type(&saved_spec); // held for the process: the module owns a reference too
   packer_type = make_type(&packer_spec);
-  m.add_object("SavedActivation", py::reinterpret_borrow<py::object>(
-                                      reinterpret_cast<PyObject*>(saved_type)));
+  m.add_object(
+      "SavedActivation",
+      py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(saved_type)));
   if (PyModule_AddFunctions(m.ptr(), module_defs) != 0) {
     throw py::error_already_set();
   }
