@@ -148,6 +148,10 @@ def unwatch_frame_exit(token: int) -> None:
 def frame_exit_watches() -> int:
     """Watches pending on this thread."""
 
+def frame_exit_watch_backend() -> str:
+    """How watches see frames end: 'sys.monitoring' (Python >= 3.12, a tool id
+    of torch_sac's own was free) or 'profile function'."""
+
 # --- The drop-in engine (create_selective_checkpoint_contexts, checkpoint) ------
 
 @final

@@ -10,21 +10,30 @@
 // itself when that frame ends while it is still entered (torch >= 2.13 throws
 // the error into the generator instead; torch_sac/_compat.py).
 //
-// A C-level profile function (PyEval_SetProfile) is installed on this thread
-// only while a watch is pending. It calls the profile function that was set
-// before it (cProfile, a debugger's), which sys.getprofile() still returns,
-// and puts it back afterwards. Code that replaces it meanwhile wins: the
-// watch then does not fire, and torch's generator is closed when the garbage
-// collector frees it, as without the watch. While installed, CPython runs
-// the thread's Python code on its slower tracing path (measured +7-9% on
-// small CPU models' steps, torch 2.11).
+// Python >= 3.12: sys.monitoring events under a tool id of torch_sac's own
+// (4 or 3, whichever is free): a local PY_RETURN event on the watched frame's
+// code object (torch's checkpoint()) and the global PY_UNWIND event, which
+// CPython emits only when an exception unwinds a frame. Nothing else runs
+// slower, and profilers and debuggers (their own tool ids, or
+// sys.setprofile) are left alone.
+//
+// Python < 3.12, or no free tool id: a C-level profile function
+// (PyEval_SetProfile) is installed on this thread only while a watch is
+// pending. It calls the profile function that was set before it (cProfile,
+// a debugger's), which sys.getprofile() still returns, and puts it back
+// afterwards. Code that replaces it meanwhile wins: the watch then does not
+// fire, and torch's generator is closed when the garbage collector frees it,
+// as without the watch. While installed, CPython runs the thread's Python
+// code on its slower tracing path (measured +7-9% on small CPU models'
+// steps, torch 2.11).
 
 #include <pybind11/pybind11.h>
 
 namespace torch_sac::python {
 
-// Adds _C.watch_frame_exit(frame, callback) -> token and
-// _C.unwatch_frame_exit(token).
+// Adds _C.watch_frame_exit(frame, callback) -> token,
+// _C.unwatch_frame_exit(token), _C.frame_exit_watches() and
+// _C.frame_exit_watch_backend().
 void register_frame_exit_watch(pybind11::module_& m);
 
 } // namespace torch_sac::python

@@ -607,3 +607,93 @@ def test_profile_function_saved_and_restored_inside_forward_is_kept():
         sys.setprofile(None)
     assert seen[0] is profile_function
     assert after is profile_function
+
+
+# --------------------------------------------------------------------------
+# The watch itself, on every Python: sys.monitoring events on Python >= 3.12,
+# the profile function before. torch.utils.checkpoint uses it only on
+# torch <= 2.12; these call it directly.
+# --------------------------------------------------------------------------
+
+
+def _watched(fired, action, name="watched"):
+    """Watches its own frame, then returns or raises as `action` says."""
+    frame = sys._getframe()
+    torch_sac._C.watch_frame_exit(frame, lambda: fired.append(name))
+    inner_result = []
+
+    def inner():
+        inner_result.append(1)  # other frames returning do not fire the watch
+        return 2
+
+    inner()
+    assert fired == []
+    if action == "raise":
+        raise Boom("unwinds the watched frame")
+    if action == "recurse":
+        # The same code object running again, nested: each frame fires its own.
+        _watched(fired, "return", name="nested")
+        assert fired == ["nested"]
+    return inner_result
+
+
+@pytest.mark.parametrize("action", ["return", "raise", "recurse"])
+def test_frame_exit_watch_fires_once_when_its_frame_ends(action):
+    fired = []
+    if action == "raise":
+        with pytest.raises(Boom):
+            _watched(fired, action)
+    else:
+        _watched(fired, action)
+    assert fired[-1] == "watched" and fired.count("watched") == 1
+    assert torch_sac._C.frame_exit_watches() == 0
+    again = []
+    _watched(again, "return")  # and again: the events stay usable
+    assert again == ["watched"]
+
+
+def test_frame_exit_watch_backend():
+    """Python >= 3.12 watches with sys.monitoring (no profile function is
+    installed, so the forward runs at full speed); older Pythons with the
+    profile function."""
+    expected = "sys.monitoring" if sys.version_info >= (3, 12) else "profile function"
+    assert torch_sac._C.frame_exit_watch_backend() == expected
+    seen_profile = []
+
+    def check():
+        frame = sys._getframe()
+        token = torch_sac._C.watch_frame_exit(frame, lambda: None)
+        seen_profile.append(sys.getprofile())
+        torch_sac._C.unwatch_frame_exit(token)
+
+    check()
+    assert seen_profile == [None]
+    assert torch_sac._C.frame_exit_watches() == 0
+
+
+def test_frame_exit_watch_unwatched_does_not_fire_and_other_threads_are_apart():
+    fired = []
+
+    def unwatched():
+        token = torch_sac._C.watch_frame_exit(sys._getframe(), lambda: fired.append("x"))
+        torch_sac._C.unwatch_frame_exit(token)
+
+    unwatched()
+    assert fired == []
+    # A watch on this thread is not fired by the same code returning on another.
+    started, release = threading.Event(), threading.Event()
+
+    def waits(record):
+        torch_sac._C.watch_frame_exit(sys._getframe(), lambda: fired.append(record))
+        started.set()
+        release.wait(HANG_LIMIT_S)
+
+    thread = threading.Thread(target=waits, args=("thread",), daemon=True)
+    thread.start()
+    assert started.wait(HANG_LIMIT_S)
+    started.clear()
+    release.set()
+    waits("main")  # same code, this thread: fires "main" only
+    thread.join(HANG_LIMIT_S)
+    assert sorted(fired) == ["main", "thread"]
+    assert torch_sac._C.frame_exit_watches() == 0
