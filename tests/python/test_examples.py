@@ -66,3 +66,19 @@ def test_bench_gpu_runs_tiny_on_the_cpu():
     )
     assert "peak plan at per-block checkpoint's peak" in out
     assert "DIFF" not in out.split("| row |")[-1], out[-3000:]
+
+
+# The benches run a worker per adapter themselves: once is enough.
+@pytest.mark.adapter_independent
+def test_bench_stages_quick_reports_every_stage_under_both_adapters():
+    out = run_program("bench/bench_stages.py", "--quick", "--workloads", "gpt")
+    for stage in ("adapter hop", "saved-tensor hooks", "policy + record", "unpack + planning"):
+        assert stage in out
+    assert "key µs/step" in out and "python µs/step" in out
+
+
+@pytest.mark.adapter_independent
+def test_bench_overhead_quick_reports_the_region_and_the_sac_cost():
+    out = run_program("bench/bench_overhead.py", "--quick", "--workloads", "gpt")
+    assert "torch_sac region, save_ops" in out
+    assert "SAC cost over eager" in out and "plain checkpoint" in out
