@@ -115,9 +115,9 @@ def bench(kind, args):
     for p in f.points:
         if p.kind != "recipe":
             continue
-        plan = next((q for q in f.points if q.label.startswith(f"plan @ {p.label}")), None)
+        plan = f.plan_for(f"plan @ {p.label}")
         if plan is None:
-            print(f"  {p.label:<34} no plan at {p.peak / none.peak:.2f}x (measured over it)")
+            print(f"  {p.label:<34} no plan at {p.peak / none.peak:.2f}x (refused)")
             ok = False
             continue
         ratio = plan.seconds / p.seconds
@@ -127,11 +127,11 @@ def bench(kind, args):
             f"plan {plan.seconds / none.seconds:.3f}x at {plan.peak / none.peak:.2f}x: "
             f"{ratio:.3f} of the recipe's time"
         )
-    low = [p for p in f.points if p.kind == "plan" and p.label.startswith("plan @ 0.30x")]
-    if low:
+    low = f.plan_for("plan @ 0.30x")
+    if low is not None:
         print(
-            f"plan at 0.30x: {low[0].seconds / none.seconds:.3f}x no checkpointing's time "
-            f"(target <= 1.15x), peak {low[0].peak / none.peak:.2f}x ({low[0].label})"
+            f"plan at 0.30x: {low.seconds / none.seconds:.3f}x no checkpointing's time "
+            f"(target <= 1.15x), peak {low.peak / none.peak:.2f}x ({low.label})"
         )
     else:
         print("plan at 0.30x: refused (below the least peak the planner measured)")

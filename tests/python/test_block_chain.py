@@ -332,6 +332,14 @@ def test_frontier_measures_plans_and_recipes(tmp_path):
     # recomputation, where the blocks do not reach, has none).
     assert any(p.blocks for p in plans)
     assert all(len(p.blocks) == len(layers) for p in plans if p.blocks is not None)
+    # Every target has its plan, also where two targets got the same one
+    # (measured once, under the first target's label).
+    for label in ["plan @ 0.80x", "plan @ 0.50x"] + [
+        f"plan @ {p.label}" for p in f.points if p.kind == "recipe"
+    ]:
+        plan = f.plan_for(label)
+        assert plan is not None and plan.kind == "plan", label
+    assert f.plan_for("plan @ nothing asked") is None
     front = f.pareto()
     assert [p.peak for p in front] == sorted(p.peak for p in front)
     assert all(a.seconds > b.seconds for a, b in zip(front, front[1:]))

@@ -45,6 +45,8 @@ class FrontierPoint:
             measures it).
         seconds: median step time (forward and backward) over the rounds.
         target: for a plan, the peak it was planned for.
+        also_for: for a plan, the labels of other targets whose plan is the
+            same one (measured once, under the first target's label).
         blocks: for a plan, the option of each block.
         policy, budget: how a plan runs: the forward policy and replay
             budget of one ``sac_context`` around the step (None for a recipe).
@@ -67,6 +69,7 @@ class FrontierPoint:
         self.policy, self.budget, self.install = policy, budget, install
         self.times = []
         self.peak = None
+        self.also_for: list[str] = []
 
     @property
     def seconds(self) -> float:
@@ -80,6 +83,7 @@ class FrontierPoint:
             "seconds": self.seconds,
             "times": list(self.times),
             "target": self.target,
+            "also_for": list(self.also_for),
             "blocks": self.blocks,
         }
 
@@ -98,6 +102,17 @@ class Frontier:
         self.points = points
         self.rounds = rounds
         self.none = points[0]
+
+    def plan_for(self, label: str) -> FrontierPoint | None:
+        """The plan measured for the target ``label`` names (``"plan @
+        0.30x"``, ``"plan @ checkpoint per block"``), also where that target
+        got the same plan as an earlier one; None where it was refused."""
+        for p in self.points:
+            if p.kind != "plan":
+                continue
+            if p.label == label or p.label.startswith(label + " (") or label in p.also_for:
+                return p
+        return None
 
     def pareto(self) -> list[FrontierPoint]:
         """The points on the curve, by peak: each is faster than every point
@@ -360,6 +375,7 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                 continue
         key = tuple(candidate.saved)
         if key in seen:
+            seen[key].also_for.append(label)
             continue
         point = region_point(label, "plan", candidate.saved, target=target, blocks=candidate.blocks)
         point.peak = candidate.run.peak
