@@ -422,13 +422,15 @@ def worker(args):
 # --------------------------------------------------------------------------
 
 
-def run_workers(args):
-    here = os.path.dirname(os.path.abspath(__file__))
+def run_workers(args, script=__file__):
+    """Runs ``script --worker ADAPTER`` once per adapter (with ``args``' reps,
+    timings, chain length and workloads); the JSON each prints, by adapter."""
+    here = os.path.dirname(os.path.abspath(script))
     results = {}
     for adapter in ADAPTERS:
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            os.path.abspath(script),
             "--worker",
             adapter,
             "--reps",

@@ -44,14 +44,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_overhead import ADAPTERS, build_workloads, log, measure  # noqa: E402
+from bench_overhead import ADAPTERS, build_workloads, log, measure, run_workers  # noqa: E402
 
 WORKLOADS = ("elementwise", "gpt")
 
@@ -162,36 +161,6 @@ def worker(args):
     return out
 
 
-def run_workers(args):
-    results = {}
-    for adapter in ADAPTERS:
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--worker",
-            adapter,
-            "--reps",
-            str(args.reps),
-            "--rep-seconds",
-            str(args.rep_seconds),
-            "--warmup-seconds",
-            str(args.warmup_seconds),
-            "--chain-ops",
-            str(args.chain_ops),
-            "--workloads",
-            *args.workloads,
-        ]
-        env = dict(os.environ, TORCH_SAC_ADAPTER=adapter, OMP_NUM_THREADS="1")
-        log(f"running worker: {adapter} adapter")
-        proc = subprocess.run(
-            cmd, env=env, cwd=os.path.dirname(HERE), stdout=subprocess.PIPE, text=True
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"worker {adapter} failed with exit code {proc.returncode}")
-        results[adapter] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return results
-
-
 ROWS = [
     # (label, key, per what)
     ("forward: eager (reference)", "eager_forward_us", "recorded"),
@@ -260,7 +229,7 @@ def main(argv=None):
         sys.stdout.write(json.dumps(worker(args)) + "\n")
         return
     t0 = time.perf_counter()
-    results = run_workers(args)
+    results = run_workers(args, script=__file__)
     print_report(results, args)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
     if args.json:
