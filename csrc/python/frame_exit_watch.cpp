@@ -94,7 +94,11 @@ struct Monitoring {
 Monitoring* monitoring = nullptr; // made on first use, under the GIL; never freed
 
 PyObject* on_monitoring_event(PyObject* /*self*/, PyObject* const* /*args*/, Py_ssize_t /*n*/) {
-  fire(PyEval_GetFrame());
+  // Every unwinding frame of the process comes here: return before
+  // PyEval_GetFrame() makes a frame object, unless this thread watches one.
+  if (!tls.watches.empty()) {
+    fire(PyEval_GetFrame());
+  }
   Py_RETURN_NONE;
 }
 
@@ -146,6 +150,12 @@ bool monitor(PyObject* frame) {
     if (watched.ptr() == code.ptr()) {
       return true;
     }
+  }
+  // Another tool may have freed our id (sys.monitoring.free_tool_id): the
+  // profile function from now on.
+  if (m.module.attr("get_tool")(m.tool).is_none()) {
+    m.tool = -1;
+    return false;
   }
   m.module.attr("set_local_events")(m.tool, code, m.module.attr("events").attr("PY_RETURN"));
   m.watched_code.push_back(std::move(code));

@@ -110,8 +110,10 @@ PyType_Slot saved_slots[] = {
     {0, nullptr}};
 
 PyType_Spec saved_spec = {
-    "torch_sac._C.SavedActivation", sizeof(SavedActivationObject), 0, Py_TPFLAGS_DEFAULT,
-    saved_slots};
+    "torch_sac._C.SavedActivation", sizeof(SavedActivationObject), 0,
+    // Only pack() makes them: an instance made from Python would hold no
+    // constructed SavedActivation.
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, saved_slots};
 
 PyType_Slot packer_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(&packer_dealloc)},
@@ -119,7 +121,8 @@ PyType_Slot packer_slots[] = {
     {0, nullptr}};
 
 PyType_Spec packer_spec = {
-    "torch_sac._C.RegionPacker", sizeof(PackerObject), 0, Py_TPFLAGS_DEFAULT, packer_slots};
+    "torch_sac._C.RegionPacker", sizeof(PackerObject), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, packer_slots};
 
 PyTypeObject* make_type(PyType_Spec* spec) {
   PyObject* type = PyType_FromSpec(spec);

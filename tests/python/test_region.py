@@ -1817,3 +1817,65 @@ def test_pack_hook_keeps_its_region_alive():
     assert_tensors_equal(ours, ref, "x.grad")
     del loss  # frees every SavedActivation: each one forgets itself in its region
     gc.collect()
+
+
+def test_saved_activation_types_cannot_be_made_from_python():
+    """Only a pack hook makes them: an instance made from Python would hold
+    nothing constructed (it crashed the interpreter when freed)."""
+    with pytest.raises(TypeError):
+        torch_sac._C.SavedActivation()
+    region = torch_sac._C.Region(torch_sac.policies.recompute_all(), False)
+    with pytest.raises(TypeError):
+        type(region.pack_hook().__self__)()
+
+
+_drop_during_replay = {"armed": False, "graphs": []}
+
+
+@torch.library.custom_op("torch_sac_test::sin_dropping_graphs", mutates_args=())
+def _sin_dropping_graphs(x: torch.Tensor) -> torch.Tensor:
+    if _drop_during_replay["armed"]:
+        _drop_during_replay["graphs"].clear()  # frees another graph of the same region
+        gc.collect()
+    return x.sin()
+
+
+@_sin_dropping_graphs.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_sin_dropping_graphs.register_autograd(
+    lambda ctx, grad: grad * ctx.saved_tensors[0].cos(),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]),
+)
+
+
+def test_activations_freed_by_a_replayed_kernel_do_not_hang():
+    """A replay holds the region's lock while it runs a Python kernel; a
+    saved activation of the same region freed by that kernel (it drops a
+    graph, or a garbage collection runs) is forgotten after the replay
+    instead of waiting for the lock its own thread holds. Backward runs on
+    a thread so that a hang fails the test instead of stopping the suite."""
+    x = torch.randn(4, 4, requires_grad=True)
+    (ref,) = torch.autograd.grad(_sin_dropping_graphs(x @ x).exp().sum(), x)
+    _drop_during_replay["armed"] = False
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as ctx:
+        loss = _sin_dropping_graphs(x @ x).exp().sum()
+        _drop_during_replay["graphs"].append((x * 3).sin().exp().sum())
+    _drop_during_replay["armed"] = True
+    result = {}
+
+    def backward():
+        result["grad"] = torch.autograd.grad(loss, x)[0]
+
+    try:
+        t = threading.Thread(target=backward, daemon=True)
+        t.start()
+        t.join(timeout=HANG_LIMIT_S)
+        assert not t.is_alive(), "backward hung"
+    finally:
+        _drop_during_replay["armed"] = False
+    assert _drop_during_replay["graphs"] == []
+    assert_tensors_equal(result["grad"], ref, "x.grad")
+    assert ctx.stats()["replayed_ops"] > 0

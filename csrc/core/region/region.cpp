@@ -419,24 +419,40 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
 }
 
 void Region::forget(const SavedActivation& saved) {
+  if (replaying_on_this_thread()) {
+    forget_after_replay(saved);
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
-  forget_locked(saved);
+  forget_locked(saved.storage, saved.unpacked_pass, saved.horizon);
 }
 
 bool Region::try_forget(SavedActivation& saved) {
-  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
-  if (!lock.owns_lock()) {
-    return false;
+  if (replaying_on_this_thread()) {
+    forget_after_replay(saved);
+  } else {
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      return false;
+    }
+    forget_locked(saved.storage, saved.unpacked_pass, saved.horizon);
   }
-  forget_locked(saved);
-  lock.unlock();
   saved.region.reset(); // forgotten: its destructor has nothing left to do
   return true;
 }
 
-void Region::forget_locked(const SavedActivation& saved) {
-  storages_.drop_reference(saved.storage, saved.unpacked_pass, saved.horizon);
+void Region::forget_locked(StorageId storage, int64_t unpacked_pass, int32_t horizon) {
+  storages_.drop_reference(storage, unpacked_pass, horizon);
   release_unneeded_entries();
+}
+
+bool Region::replaying_on_this_thread() const {
+  return replaying_thread_.load(std::memory_order_relaxed) == std::this_thread::get_id();
+}
+
+void Region::forget_after_replay(const SavedActivation& saved) {
+  // This thread holds mutex_ (its rebuild is running this code).
+  deferred_forgets_.push_back({saved.storage, saved.unpacked_pass, saved.horizon});
 }
 
 SavedActivation::~SavedActivation() {

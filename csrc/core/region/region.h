@@ -35,6 +35,7 @@
 #include <c10/util/FunctionRef.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -42,6 +43,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
@@ -191,7 +193,13 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       std::optional<RngSnapshot> rng);
 
   SavedActivation pack_locked(const at::Tensor& t);
-  void forget_locked(const SavedActivation& saved);
+  void forget_locked(StorageId storage, int64_t unpacked_pass, int32_t horizon);
+  // A replay on this thread holds mutex_: an activation freed by code the
+  // replay runs (a Python kernel dropping a graph, a garbage collection) is
+  // forgotten when that rebuild ends, not waited for (it would never come).
+  bool replaying_on_this_thread() const;
+  void forget_after_replay(const SavedActivation& saved);
+  friend class ReplayOnThisThread;
   Policy decide(const OpCall& call, const std::string& op_name);
 
   // Replay (replay.cpp); called with mutex_ held.
@@ -232,6 +240,15 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   RebuildPlanner planner_; // what a rebuild replays and keeps (rebuild_planner.h)
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
+  // The thread whose rebuild holds mutex_ (none: default id), and the
+  // activations freed by that rebuild's own code (see forget_after_replay).
+  std::atomic<std::thread::id> replaying_thread_{};
+  struct DeferredForget {
+    StorageId storage;
+    int64_t unpacked_pass;
+    int32_t horizon;
+  };
+  std::vector<DeferredForget> deferred_forgets_;
 };
 
 // The unpack hook: the kept tensor (version-checked as autograd would) or the

@@ -46,12 +46,38 @@ at::Tensor unpack(const SavedActivation& saved) {
   return saved.kept;
 }
 
+// While alive, a rebuild holding the region's mutex runs on this thread:
+// activations its own code frees are forgotten when it ends (region.h).
+class ReplayOnThisThread {
+ public:
+  explicit ReplayOnThisThread(Region& region) : region_(region) {
+    region_.replaying_thread_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  }
+  ~ReplayOnThisThread() {
+    region_.replaying_thread_.store(std::thread::id(), std::memory_order_relaxed);
+    std::vector<Region::DeferredForget> deferred = std::move(region_.deferred_forgets_);
+    region_.deferred_forgets_.clear();
+    for (const auto& f : deferred) {
+      region_.storages_.drop_reference(f.storage, f.unpacked_pass, f.horizon);
+    }
+    if (!deferred.empty()) {
+      region_.release_unneeded_entries();
+    }
+  }
+  ReplayOnThisThread(const ReplayOnThisThread&) = delete;
+  ReplayOnThisThread& operator=(const ReplayOnThisThread&) = delete;
+
+ private:
+  Region& region_;
+};
+
 at::Tensor Region::rebuild(const SavedActivation& saved) {
   // The views and aliases made here are the region's own bookkeeping: a
   // region open on this thread (backward inside the `with` block) must not
   // record them, and this one would deadlock on its own mutex.
   const c10::impl::ExcludeDispatchKeyGuard not_intercepted(kInterceptKey);
   std::lock_guard<std::mutex> lock(mutex_);
+  const ReplayOnThisThread replaying(*this); // ends before the lock is released
   StorageRecord& record = storages_.at(saved.storage);
   const uint32_t now = current_version(saved.version_counter);
   TORCH_CHECK(
