@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 #include <frameobject.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 

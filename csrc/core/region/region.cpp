@@ -3,6 +3,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
+#include <utility>
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
@@ -453,6 +454,16 @@ bool Region::replaying_on_this_thread() const {
 void Region::forget_after_replay(const SavedActivation& saved) {
   // This thread holds mutex_ (its rebuild is running this code).
   deferred_forgets_.push_back({saved.storage, saved.unpacked_pass, saved.horizon});
+}
+
+void Region::forget_deferred() {
+  if (deferred_forgets_.empty()) {
+    return;
+  }
+  for (const DeferredForget& f : std::exchange(deferred_forgets_, {})) {
+    storages_.drop_reference(f.storage, f.unpacked_pass, f.horizon);
+  }
+  release_unneeded_entries();
 }
 
 SavedActivation::~SavedActivation() {

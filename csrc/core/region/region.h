@@ -199,6 +199,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // forgotten when that rebuild ends, not waited for (it would never come).
   bool replaying_on_this_thread() const;
   void forget_after_replay(const SavedActivation& saved);
+  // What forget_after_replay noted, when the rebuild ends (mutex_ held).
+  void forget_deferred();
   friend class ReplayOnThisThread;
   Policy decide(const OpCall& call, const std::string& op_name);
 
@@ -241,7 +243,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
   // The thread whose rebuild holds mutex_ (none: default id), and the
-  // activations freed by that rebuild's own code (see forget_after_replay).
+  // activations freed by that rebuild's own code (see forget_after_replay;
+  // guarded by mutex_).
   std::atomic<std::thread::id> replaying_thread_{};
   struct DeferredForget {
     StorageId storage;

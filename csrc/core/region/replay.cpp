@@ -55,14 +55,7 @@ class ReplayOnThisThread {
   }
   ~ReplayOnThisThread() {
     region_.replaying_thread_.store(std::thread::id(), std::memory_order_relaxed);
-    std::vector<Region::DeferredForget> deferred = std::move(region_.deferred_forgets_);
-    region_.deferred_forgets_.clear();
-    for (const auto& f : deferred) {
-      region_.storages_.drop_reference(f.storage, f.unpacked_pass, f.horizon);
-    }
-    if (!deferred.empty()) {
-      region_.release_unneeded_entries();
-    }
+    region_.forget_deferred();
   }
   ReplayOnThisThread(const ReplayOnThisThread&) = delete;
   ReplayOnThisThread& operator=(const ReplayOnThisThread&) = delete;
