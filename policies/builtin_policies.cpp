@@ -27,22 +27,27 @@ class ConstantPolicy final : public OpPolicy {
   Policy decision_;
 };
 
-class SaveOpsPolicy final : public OpPolicy {
+// One decision for the listed ops, PREFER_RECOMPUTE for the rest.
+class OpListPolicy final : public OpPolicy {
  public:
-  SaveOpsPolicy(const std::vector<OpPattern>& ops, std::string label)
-      : matcher_(ops), label_(std::move(label)) {}
+  OpListPolicy(const std::vector<OpPattern>& ops, Policy listed, std::string label)
+      : matcher_(ops), listed_(listed), label_(std::move(label)) {}
   Policy decide(const OpCall& call) override {
-    return matcher_.matches(call.op.operator_name()) ? Policy::MustSave : Policy::PreferRecompute;
+    return matcher_.matches(call.op.operator_name()) ? listed_ : Policy::PreferRecompute;
   }
   bool needs_values() const override {
     return false;
   }
   std::string describe() const override {
-    return label_.empty() ? "save_ops(" + matcher_.describe() + ")" : label_;
+    if (!label_.empty()) {
+      return label_;
+    }
+    return (is_offload(listed_) ? "offload_ops(" : "save_ops(") + matcher_.describe() + ")";
   }
 
  private:
   OpMatcher matcher_;
+  Policy listed_;
   std::string label_;
 };
 
@@ -171,7 +176,11 @@ std::string OpMatcher::describe() const {
 }
 
 std::shared_ptr<OpPolicy> save_ops(const std::vector<OpPattern>& ops) {
-  return std::make_shared<SaveOpsPolicy>(ops, "");
+  return std::make_shared<OpListPolicy>(ops, Policy::MustSave, "");
+}
+
+std::shared_ptr<OpPolicy> offload_ops(const std::vector<OpPattern>& ops) {
+  return std::make_shared<OpListPolicy>(ops, Policy::PreferOffload, "");
 }
 
 std::shared_ptr<OpPolicy> save_all() {
@@ -278,7 +287,11 @@ const std::vector<OpPattern>& matmul_ops() {
 }
 
 std::shared_ptr<OpPolicy> save_matmuls() {
-  return std::make_shared<SaveOpsPolicy>(matmul_ops(), "save_matmuls()");
+  return std::make_shared<OpListPolicy>(matmul_ops(), Policy::MustSave, "save_matmuls()");
+}
+
+std::shared_ptr<OpPolicy> offload_matmuls() {
+  return std::make_shared<OpListPolicy>(matmul_ops(), Policy::PreferOffload, "offload_matmuls()");
 }
 
 std::shared_ptr<OpPolicy> every_nth(const std::vector<OpPattern>& ops, int64_t n) {

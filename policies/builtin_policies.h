@@ -33,6 +33,11 @@ class OpMatcher {
 // semantics for a list of ops).
 std::shared_ptr<OpPolicy> save_ops(const std::vector<OpPattern>& ops);
 
+// PREFER_OFFLOAD for the listed ops (their outputs go to host memory; ones
+// that cannot, such as CPU tensors or ones below the size threshold, are
+// saved), PREFER_RECOMPUTE for the rest.
+std::shared_ptr<OpPolicy> offload_ops(const std::vector<OpPattern>& ops);
+
 // PREFER_SAVE for every op: no memory saved, no recompute.
 std::shared_ptr<OpPolicy> save_all();
 
@@ -43,6 +48,8 @@ std::shared_ptr<OpPolicy> recompute_all();
 // expensive ops whose outputs are worth their memory (torchtitan's choice).
 std::shared_ptr<OpPolicy> save_matmuls();
 const std::vector<OpPattern>& matmul_ops();
+// offload_ops over the same ops.
+std::shared_ptr<OpPolicy> offload_matmuls();
 
 // MUST_SAVE for call indices 0, n, 2n, ... of each listed op overload within
 // a region, PREFER_RECOMPUTE otherwise. The index comes from the region, so

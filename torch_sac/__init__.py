@@ -9,7 +9,7 @@ Modules import only modules of lower layers (docs/design/layers.md;
 1. state: ``_C``, ``_compat``, ``_adapter``, ``policy``, ``_state``,
    ``_ignored_ops``, ``_budget_types``, ``_engines``, ``_build_info``
 2. utilities: ``_modes``, ``_compile``, ``_fsdp``, ``scopes``, ``memory``,
-   ``schedule``, ``_op_profile``, ``_profile_report``, ``_blocks``,
+   ``offload``, ``schedule``, ``_op_profile``, ``_profile_report``, ``_blocks``,
    ``models``
 3. policy conversion: ``_torch_policy``, ``_policy_conversion``
 4. engines: ``contexts`` (the drop-in), ``region``, ``checkpointing``
@@ -40,7 +40,7 @@ _compat.check_built_with(_C.built_with_torch())
 # region exists, and computes IGNORED_OPS.
 from ._ignored_ops import IGNORED_OPS  # noqa: E402
 
-from . import _compile, _torch_policy, memory, policies  # noqa: E402
+from . import _compile, _torch_policy, memory, offload, policies  # noqa: E402
 from ._adapter import adapter, adapter_reason
 from .apply import apply_sac
 from .contexts import create_selective_checkpoint_contexts
@@ -68,6 +68,7 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "memory",
     "name",
+    "offload",
     "policies",
     "profile",
     "sac_context",

@@ -45,12 +45,15 @@ from .scopes import ANNOTATION_PREFIX
 
 __all__ = ["TorchPolicy"]
 
-# CheckpointPolicy by value (torch_sac.Policy has the same values).
+# CheckpointPolicy by value (torch_sac.Policy has the same values; the
+# offload pair is *_CPU_OFFLOAD there).
 _BY_VALUE = (
     CheckpointPolicy.MUST_SAVE,
     CheckpointPolicy.PREFER_SAVE,
     CheckpointPolicy.MUST_RECOMPUTE,
     CheckpointPolicy.PREFER_RECOMPUTE,
+    CheckpointPolicy.MUST_CPU_OFFLOAD,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD,
 )
 
 # How far up the stack the calling dispatch mode may be (the policy_fn may be

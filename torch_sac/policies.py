@@ -45,6 +45,8 @@ __all__ = [
     "save_all",
     "recompute_all",
     "save_matmuls",
+    "offload_ops",
+    "offload_matmuls",
     "every_nth",
     "save_by_name",
     "budget_for_region",
@@ -105,6 +107,35 @@ def save_matmuls() -> _C.OpPolicy:
     the cache would shift the random numbers of every op recomputed after it.
     """
     return _C.save_matmuls()
+
+
+def offload_ops(ops: _Op | Iterable[_Op]) -> _C.OpPolicy:
+    """Offload the outputs of ``ops`` to host memory, recompute everything else.
+
+    Args:
+        ops: OpOverloads and/or OpOverloadPackets, as for :func:`save_ops`.
+
+    Returns ``PREFER_OFFLOAD`` for the listed ops and ``PREFER_RECOMPUTE``
+    for the rest. Outputs that cannot be offloaded (CPU tensors, views, ones
+    below :attr:`torch_sac.offload.OffloadOptions.min_bytes`) are saved on
+    the device instead, so on a CPU model this is :func:`save_ops`. See
+    :mod:`torch_sac.offload` for how the copies run.
+
+    Example:
+        >>> with torch_sac.sac_context(torch_sac.policies.offload_ops([torch.ops.aten.mm])):
+        ...     y = model(x)
+    """
+    return _C.offload_ops(op_patterns(ops, "offload_ops"))
+
+
+def offload_matmuls() -> _C.OpPolicy:
+    """Offload the outputs of the ops :func:`save_matmuls` saves, recompute the rest.
+
+    The expensive ops' outputs go to host memory instead of staying on the
+    device; the cheap ops between them are recomputed from them in backward.
+    Same fall-backs as :func:`offload_ops`.
+    """
+    return _C.offload_matmuls()
 
 
 def every_nth(ops: _Op | Iterable[_Op], n: int) -> _C.OpPolicy:

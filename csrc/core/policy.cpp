@@ -14,6 +14,10 @@ std::string_view policy_name(Policy p) {
       return "MUST_RECOMPUTE";
     case Policy::PreferRecompute:
       return "PREFER_RECOMPUTE";
+    case Policy::MustOffload:
+      return "MUST_OFFLOAD";
+    case Policy::PreferOffload:
+      return "PREFER_OFFLOAD";
   }
   return "<invalid Policy>";
 }

@@ -251,6 +251,25 @@ void SelectiveCache::finish_forward() {
 
 void SelectiveCache::begin_recompute() {
   finish_forward();
+  // Offloaded outputs come back in the order recompute will use them, as
+  // far as the prefetch budget goes; each one used then brings back the
+  // earlier regions' (offloader.h).
+  std::vector<std::pair<int64_t, const offload::OffloadedTensor*>> offloaded;
+  for (OpRecord* record : first_seen_order_) {
+    for (const Entry& entry : record->entries) {
+      if (entry.state == EntryState::Cached) {
+        for (const auto& [position, tensor] : entry.cached->offloaded) {
+          offloaded.emplace_back(entry.position, &tensor);
+        }
+      }
+    }
+  }
+  std::sort(offloaded.begin(), offloaded.end(), [](const auto& a, const auto& b) {
+    return a.first < b.first;
+  });
+  for (const auto& [position, tensor] : offloaded) {
+    tensor->prefetch();
+  }
   for (OpRecord* record : first_seen_order_) {
     record->recompute_calls = 0;
   }
@@ -276,13 +295,35 @@ SelectiveCache::OpRecord& SelectiveCache::record_for(const c10::OperatorHandle& 
 void SelectiveCache::cache_outputs(
     OpRecord& record,
     int64_t call_index,
-    c10::ArrayRef<c10::IValue> outputs) {
+    c10::ArrayRef<c10::IValue> outputs,
+    Policy decision) {
+  const bool offload = is_offload(decision);
   Entry& entry = record.entries[call_index];
   entry.state = EntryState::Cached;
   entry.cached = std::make_unique<CachedOutputs>();
   CachedOutputs& cached = *entry.cached;
   cached.outputs.reserve(outputs.size());
+  const offload::OffloadOptions options = offload ? offload::options() : offload::OffloadOptions();
+  const bool must = decision == Policy::MustOffload;
   for (const c10::IValue& out : outputs) {
+    // A Tensor output the op made anew goes to host memory; a view, a list
+    // element or an ineligible tensor stays on the device (PREFER_OFFLOAD).
+    if (offload && out.isTensor() && out.toTensor().defined()) {
+      const at::Tensor& t = out.toTensor();
+      if (!record.facts->returns_alias && entry.made_new &&
+          offload::why_not_offloadable(t, options, must) == nullptr) {
+        cached.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        cached.offloaded.emplace_back(
+            cached.outputs.size(), offload::offload(t, version_of(t), record.facts->name));
+        cached.outputs.emplace_back(at::Tensor());
+        cached.offloaded_bytes += static_cast<int64_t>(t.storage().nbytes());
+        if (const c10::StorageImpl* s = storage_of(t)) {
+          cached_storages_[s].emplace_back(&record, call_index);
+        }
+        continue;
+      }
+      ++stats_.offload_fallbacks;
+    }
     cached.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
       if (t.defined()) {
         cached.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
@@ -294,8 +335,14 @@ void SelectiveCache::cache_outputs(
       return cacheable(t, record.facts->returns_alias);
     }));
   }
-  ++stats_.saved_ops;
+  entry.offloaded = !cached.offloaded.empty();
+  if (cached.offloaded.empty()) {
+    ++stats_.saved_ops;
+  } else {
+    ++stats_.offloaded_ops;
+  }
   stats_.saved_bytes += cached.bytes;
+  stats_.offloaded_bytes += cached.offloaded_bytes;
 }
 
 void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
@@ -309,8 +356,10 @@ void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
       continue;
     }
     entry.state = EntryState::Recompute;
-    --stats_.saved_ops;
+    entry.offloaded = false;
+    --(entry.cached->offloaded.empty() ? stats_.saved_ops : stats_.offloaded_ops);
     stats_.saved_bytes -= entry.cached->bytes;
+    stats_.offloaded_bytes -= entry.cached->offloaded_bytes;
     entry.cached.reset();
     ++stats_.invalidated_ops;
   }
@@ -460,8 +509,31 @@ void CachingHandler::handle(
   entry.made_new = made_new;
   entry.new_bytes = new_bytes;
   cache_->watch_aliases(outputs);
-  if (is_save(decision) && cacheable_writes && !draws_now) {
-    cache_->cache_outputs(record, call_index, outputs);
+  if (decision == Policy::MustOffload) {
+    check_must_offload(record, outputs);
+  }
+  if (is_kept(decision) && cacheable_writes && !draws_now) {
+    cache_->cache_outputs(record, call_index, outputs, decision);
+  }
+}
+
+void CachingHandler::check_must_offload(
+    const SelectiveCache::OpRecord& record,
+    c10::ArrayRef<c10::IValue> outputs) {
+  const offload::OffloadOptions options = offload::options();
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      const char* why = record.facts->returns_alias
+          ? "it is a view of an input (offload the op that made its base)"
+          : !out.isTensor() ? "it is part of a list output"
+                            : offload::why_not_offloadable(t, options, /*must=*/true);
+      TORCH_CHECK_VALUE(
+          why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", record.facts->name,
+          ", but its output of shape ", t.sizes(), " on ", t.device(),
+          " cannot be offloaded: ", why,
+          ". Return PREFER_OFFLOAD (which keeps such outputs on the device) or MUST_SAVE "
+          "for this op.");
+    });
   }
 }
 
@@ -629,6 +701,11 @@ void CachedHandler::handle(
     check_cached_unchanged(record, call_index);
   }
   torch::jit::drop(*stack, num_args);
+  for (const auto& [position, offloaded] : entry.cached->offloaded) {
+    // Versions were checked above, against every alias forward saw (or
+    // mutation is allowed, and the host copy holds forward's value).
+    entry.cached->outputs[position] = offloaded.reload(/*check_version=*/false);
+  }
   for (c10::IValue& out : entry.cached->outputs) {
     stack->push_back(std::move(out));
   }
@@ -648,8 +725,13 @@ std::vector<OpSummary> SelectiveCache::summary() const {
     s.recomputes_by_call.reserve(record->entries.size());
     for (const Entry& e : record->entries) {
       const bool saved = e.state != EntryState::Recompute;
-      (saved ? s.saved : s.dropped) += 1;
-      if (e.made_new) {
+      if (!(saved && e.offloaded)) {
+        (saved ? s.saved : s.dropped) += 1;
+      }
+      if (e.made_new && e.offloaded && saved) {
+        s.offloaded_new += 1;
+        s.offloaded_bytes += e.new_bytes;
+      } else if (e.made_new) {
         (saved ? s.saved_new : s.dropped_new) += 1;
         (saved ? s.saved_bytes : s.dropped_bytes) += e.new_bytes;
       }

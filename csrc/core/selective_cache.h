@@ -2,7 +2,8 @@
 // The drop-in for torch.utils.checkpoint.create_selective_checkpoint_contexts:
 // a caching handler for forward and a cached handler for recompute sharing one
 // SelectiveCache. Forward caches the outputs of SAVE ops keyed by
-// (op, call index); recompute hands cached outputs back and runs the rest.
+// (op, call index), and host copies of OFFLOAD ops' outputs
+// (csrc/core/offload/); recompute hands cached outputs back and runs the rest.
 //
 // Recompute re-runs the user's Python function, so the cache also checks
 // that it runs what forward ran, and that nothing forward read changed:
@@ -43,6 +44,7 @@
 
 #include "csrc/core/interceptor.h"
 #include "csrc/core/numerics_state.h"
+#include "csrc/core/offload/offloader.h"
 #include "csrc/core/op_facts.h"
 #include "csrc/core/op_policy.h"
 #include "csrc/core/stats.h"
@@ -62,6 +64,8 @@ struct OpSummary {
   int64_t dropped_new = 0;
   int64_t saved_bytes = 0;
   int64_t dropped_bytes = 0;
+  int64_t offloaded_new = 0; // of saved_new: outputs forward offloaded to host memory
+  int64_t offloaded_bytes = 0;
   int64_t recompute_ns = 0;
   std::vector<int64_t> recomputes_by_call; // by forward call index
 };
@@ -99,6 +103,10 @@ class SelectiveCache {
     // their own), and their versions when forward ended.
     std::vector<c10::VariableVersion> watched;
     std::vector<uint32_t> watched_versions;
+    // Outputs in host memory (an OFFLOAD decision): (position in `outputs`,
+    // left undefined there until recompute reloads it), and their bytes.
+    std::vector<std::pair<size_t, offload::OffloadedTensor>> offloaded;
+    int64_t offloaded_bytes = 0;
   };
 
   struct Entry {
@@ -121,6 +129,7 @@ class SelectiveCache {
     std::vector<StorageWritten> writes;
     int64_t position = 0;                  // among all ops forward recorded
     int64_t recomputed = 0;                // times recompute re-ran this call
+    bool offloaded = false;                // its cached outputs went to host memory
     std::unique_ptr<CachedOutputs> cached; // set while state is Cached
   };
 
@@ -168,7 +177,11 @@ class SelectiveCache {
   friend class CachingHandler;
   friend class CachedHandler;
 
-  void cache_outputs(OpRecord& record, int64_t call_index, c10::ArrayRef<c10::IValue> outputs);
+  void cache_outputs(
+      OpRecord& record,
+      int64_t call_index,
+      c10::ArrayRef<c10::IValue> outputs,
+      Policy decision);
   // Drops the cached entries whose outputs live on `storage`.
   void invalidate(const c10::StorageImpl* storage);
   void watch_aliases(c10::ArrayRef<c10::IValue> outputs);
@@ -211,6 +224,12 @@ class CachingHandler final : public OpHandler {
   }
 
  private:
+  // MUST_OFFLOAD for an op with an output that cannot be offloaded raises,
+  // naming the op and why.
+  static void check_must_offload(
+      const SelectiveCache::OpRecord& record,
+      c10::ArrayRef<c10::IValue> outputs);
+
   std::shared_ptr<SelectiveCache> cache_;
   std::shared_ptr<OpPolicy> policy_;
 };

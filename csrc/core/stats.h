@@ -34,6 +34,11 @@ struct StatField {
   X(policy_calls, "ops passed to the policy in forward")                              \
   X(saved_ops, "ops whose outputs forward cached")                                    \
   X(saved_bytes, "storage bytes of the outputs forward cached")                       \
+  X(offloaded_ops, "ops whose outputs forward offloaded to host memory")              \
+  X(offloaded_bytes, "storage bytes of the outputs forward offloaded")                \
+  X(offload_fallbacks,                                                                \
+    "outputs PREFER_OFFLOAD cached on the device instead (a CPU tensor, a view, "     \
+    "below the size threshold)")                                                      \
   X(replayed_ops, "ops recompute re-ran (cache hits not counted)")                    \
   X(cache_hits, "cached outputs handed back during recompute")                        \
   X(invalidated_ops,                                                                  \
@@ -73,8 +78,14 @@ namespace region {
   X(saved_bytes, "storage bytes of the new outputs the policy kept")                               \
   X(dropped_ops, "ops whose new outputs the policy dropped")                                       \
   X(dropped_bytes, "storage bytes of the new outputs the policy dropped")                          \
+  X(offloaded_ops, "ops whose new outputs the policy offloaded to host memory")                    \
+  X(offloaded_bytes, "storage bytes of the new outputs the policy offloaded")                      \
   X(held_bytes, "copies of outside tensors the region overwrote (BatchNorm's running statistics)") \
   X(packed_kept, "saved tensors autograd holds as usual")                                          \
+  X(packed_offloaded, "saved tensors whose storage went to host memory")                           \
+  X(held_offloaded, "tensors a replay reads that went to host memory instead of being held")       \
+  X(offload_fallbacks,                                                                             \
+    "tensors PREFER_OFFLOAD kept on the device instead (a CPU tensor, below the size threshold)")  \
   X(packed_dropped, "saved tensors replaced by a reference")                                       \
   X(unpacked_original, "references served by the still-live original")                             \
   X(replayed_ops, "ops replayed in backward")                                                      \
@@ -121,6 +132,8 @@ struct RegionOpSummary {
   int64_t dropped_bytes = 0;
   int64_t replay_ns = 0;
   std::vector<int64_t> replays_by_call; // replays of each forward call, by call index
+  int64_t offloaded = 0;                // calls whose new outputs were offloaded to host memory
+  int64_t offloaded_bytes = 0;
 };
 
 } // namespace region

@@ -13,6 +13,7 @@
 #include "csrc/core/selective_cache.h"
 #include "csrc/python/budget_bindings.h"
 #include "csrc/python/frame_exit_watch.h"
+#include "csrc/python/offload_bindings.h"
 #include "csrc/python/policy_library.h"
 #include "csrc/python/python_key_adapter.h"
 #include "csrc/python/python_policy.h"
@@ -37,6 +38,8 @@ py::dict op_details_row(const region::RegionOpSummary& s) {
   d["dropped_bytes"] = s.dropped_bytes;
   d["replay_ns"] = s.replay_ns;
   d["replays_by_call"] = s.replays_by_call;
+  d["offloaded"] = s.offloaded;
+  d["offloaded_bytes"] = s.offloaded_bytes;
   return d;
 }
 
@@ -118,7 +121,7 @@ PYBIND11_MODULE(_C, m) {
           // The region's words: calls that made new tensors, their replays.
           rows.append(op_details_row(
               {s.op, s.saved_new, s.dropped_new, s.recomputed, s.saved_bytes, s.dropped_bytes,
-               s.recompute_ns, s.recomputes_by_call}));
+               s.recompute_ns, s.recomputes_by_call, s.offloaded_new, s.offloaded_bytes}));
         }
         return rows;
       });
@@ -278,6 +281,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("save_all", &policies::save_all);
   m.def("recompute_all", &policies::recompute_all);
   m.def("save_matmuls", &policies::save_matmuls);
+  m.def("offload_matmuls", &policies::offload_matmuls);
+  m.def("offload_ops", &python::make_offload_ops);
   m.def("matmul_op_names", [] {
     std::vector<std::string> names;
     for (const auto& pattern : policies::matmul_ops()) {
@@ -330,4 +335,5 @@ PYBIND11_MODULE(_C, m) {
 
   // Budget planner (policies/budget_solver.h).
   python::register_budget(m);
+  python::register_offload(m);
 }

@@ -15,10 +15,10 @@ namespace torch_sac::python {
 namespace {
 
 // Members in CheckpointPolicy value order: MUST_SAVE, PREFER_SAVE,
-// MUST_RECOMPUTE, PREFER_RECOMPUTE (then, for torch's enum, the two
-// *_CPU_OFFLOAD members torch_sac does not implement).
+// MUST_RECOMPUTE, PREFER_RECOMPUTE, then the offload pair (torch_sac's
+// *_OFFLOAD, torch's *_CPU_OFFLOAD, absent from older torch).
 struct PolicyEnums {
-  std::array<py::object, 4> sac;
+  std::array<py::object, 6> sac;
   std::vector<py::object> torch;
 };
 PolicyEnums& policy_enums() {
@@ -29,7 +29,7 @@ PolicyEnums& policy_enums() {
 Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
   const auto& enums = policy_enums();
   for (size_t i = 0; i < enums.sac.size(); ++i) {
-    if (value == enums.sac[i].ptr() || value == enums.torch[i].ptr()) {
+    if (value == enums.sac[i].ptr() || (i < enums.torch.size() && value == enums.torch[i].ptr())) {
       return static_cast<Policy>(i);
     }
   }
@@ -37,13 +37,6 @@ Policy policy_from_python(PyObject* value, const c10::OperatorHandle& op) {
     return policy_from_bool(value == Py_True);
   }
   const std::string repr = py::repr(value);
-  for (size_t i = enums.sac.size(); i < enums.torch.size(); ++i) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        value != enums.torch[i].ptr(), "torch_sac: the policy returned ", repr, " for ",
-        op_display_name(op),
-        "; torch_sac does not offload to CPU. Return MUST_SAVE and wrap the "
-        "region in torch.autograd.graph.save_on_cpu() instead.");
-  }
   // ValueError, not TypeError: Python's binary operators turn a TypeError
   // raised inside `x @ w` into "unsupported operand type(s)", hiding this.
   TORCH_CHECK_VALUE(
@@ -201,16 +194,16 @@ std::vector<policies::OpPattern> to_patterns(const OpPatternList& ops) {
 } // namespace
 
 void register_policy_enums(py::object sac_policy, py::object torch_policy) {
-  static const char* names[] = {"MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"};
+  static const char* names[] = {"MUST_SAVE",        "PREFER_SAVE",  "MUST_RECOMPUTE",
+                                "PREFER_RECOMPUTE", "MUST_OFFLOAD", "PREFER_OFFLOAD"};
+  static const char* torch_names[] = {"MUST_SAVE",        "PREFER_SAVE",      "MUST_RECOMPUTE",
+                                      "PREFER_RECOMPUTE", "MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"};
   auto& enums = policy_enums();
   enums.torch.clear();
-  for (size_t i = 0; i < 4; ++i) {
+  for (size_t i = 0; i < enums.sac.size(); ++i) {
     enums.sac[i] = sac_policy.attr(names[i]);
-    enums.torch.push_back(torch_policy.attr(names[i]));
-  }
-  for (const char* extra : {"MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"}) {
-    if (py::hasattr(torch_policy, extra)) {
-      enums.torch.push_back(torch_policy.attr(extra));
+    if (py::hasattr(torch_policy, torch_names[i])) {
+      enums.torch.push_back(torch_policy.attr(torch_names[i]));
     }
   }
 }
@@ -230,6 +223,10 @@ std::shared_ptr<OpPolicy> make_python_policy(py::object fn) {
 
 std::shared_ptr<OpPolicy> make_save_ops(const OpPatternList& ops) {
   return policies::save_ops(to_patterns(ops));
+}
+
+std::shared_ptr<OpPolicy> make_offload_ops(const OpPatternList& ops) {
+  return policies::offload_ops(to_patterns(ops));
 }
 
 std::shared_ptr<OpPolicy> make_every_nth(const OpPatternList& ops, int64_t n) {

@@ -24,6 +24,7 @@ std::shared_ptr<OpPolicy> make_python_policy(pybind11::object fn);
 // (qualified name, overload or None for a whole packet) pairs from Python.
 using OpPatternList = std::vector<std::pair<std::string, std::optional<std::string>>>;
 std::shared_ptr<OpPolicy> make_save_ops(const OpPatternList& ops);
+std::shared_ptr<OpPolicy> make_offload_ops(const OpPatternList& ops);
 std::shared_ptr<OpPolicy> make_every_nth(const OpPatternList& ops, int64_t n);
 
 // The Python Policy member for a C++ decision.

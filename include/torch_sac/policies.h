@@ -7,6 +7,7 @@
 //   save_matmuls();                       // mm/addmm/bmm/baddbmm, convolutions, SDPA
 //   recompute_all(); save_all();
 //   save_ops({op("aten::mm"), op("aten::addmm.default")});
+//   offload_matmuls(); offload_ops({op("aten::mm")});  // outputs to host memory (offload.h)
 //   every_nth({op("aten::mm")}, 2);       // by call index within a region
 //   save_by_name({"attn_out"});           // ops run inside torch_sac::NameScope("attn_out")
 //   from_callable([](const torch_sac::OpCall& call) { ... return torch_sac::Policy::MustSave; });

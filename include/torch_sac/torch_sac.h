@@ -14,9 +14,11 @@
 // policies.h:    built-in policies, C++ callable policies, NameScope
 // budget.h:      policies::budget, the memory-budget plan (profile, then solve)
 // memory.h:      the counting CPU allocator and PeakWindow
+// offload.h:     offloading saved activations to host memory (options, stats)
 
 #include "torch_sac/budget.h"
 #include "torch_sac/memory.h"
+#include "torch_sac/offload.h"
 #include "torch_sac/policies.h"
 #include "torch_sac/sac_context.h"
 #include "torch_sac/version.h"

@@ -148,6 +148,17 @@ Region::Writes Region::prepare_writes(
   // storage can be replayed; others need no copy.
   Writes writes;
   writes.overwritten.resize(inputs.size());
+  if (offload::active()) {
+    // A host copy of a storage about to be written must hold the value
+    // before the write (offloader.h).
+    for (size_t i : facts.written_args) {
+      for_each_tensor(inputs[i], [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) {
+          offload::before_write(t.storage().unsafeGetStorageImpl());
+        }
+      });
+    }
+  }
   std::vector<size_t> unreplayable; // argument positions
   writes.may_replay = recordable && facts.makes_new_tensors;
   for (size_t i : facts.written_args) {
@@ -225,8 +236,28 @@ int64_t Region::track_outputs(
   return produced ? new_bytes : -1;
 }
 
-void Region::count_decision(OpInfo& info, int64_t call_index, bool save, int64_t new_bytes) {
-  if (save) {
+void Region::check_must_offload(const OpFacts& facts, c10::ArrayRef<c10::IValue> outputs) {
+  const offload::OffloadOptions options = offload::options();
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      const char* why = offload::why_not_offloadable(t, options, /*must=*/true);
+      TORCH_CHECK_VALUE(
+          why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", facts.name,
+          ", but its output of shape ", t.sizes(), " on ", t.device(),
+          " cannot be offloaded: ", why,
+          ". Return PREFER_OFFLOAD (which keeps such outputs on the device) or MUST_SAVE "
+          "for this op.");
+    });
+  }
+}
+
+void Region::count_decision(OpInfo& info, int64_t call_index, Policy decision, int64_t new_bytes) {
+  if (is_offload(decision)) {
+    ++stats_.offloaded_ops;
+    stats_.offloaded_bytes += new_bytes;
+    ++info.offloaded;
+    info.offloaded_bytes += new_bytes;
+  } else if (is_save(decision)) {
     ++stats_.saved_ops;
     stats_.saved_bytes += new_bytes;
     ++info.saved;
@@ -253,7 +284,8 @@ void Region::record_for_replay(
   }
   // Before the writes are recorded: the arguments refer to the state this
   // op saw.
-  tape_.record_args(entry, inputs, overwritten, storages_);
+  tape_.record_args(
+      entry, inputs, overwritten, storages_, &stats_.held_offloaded, &stats_.offload_fallbacks);
   entry.rng = std::move(rng);
   entry.numerics = NumericsState::current();
 }
@@ -305,6 +337,9 @@ void Region::handle(
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
   const int64_t call_index = tape_.ops[op_index].calls; // stable: only this thread records
   const Policy decision = decide(OpCall{op, inputs, outputs, call_index, adapter_view}, facts.name);
+  if (decision == Policy::MustOffload) {
+    check_must_offload(facts, outputs);
+  }
   lock.lock();
 
   // 3. The entry: its outputs tracked, the decision counted, and what a
@@ -329,11 +364,17 @@ void Region::handle(
     // sizes (nested tensors have none for the FLOP formulas to read).
     entry.replay_cost = estimated_replay_cost(op, inputs, outputs);
   }
-  const bool save = is_save(decision);
+  const bool save = is_kept(decision);
   const int64_t new_bytes = track_outputs(entry, entry_index, inputs, outputs, save);
   const bool produced = new_bytes >= 0;
   if (produced) {
-    count_decision(info, call_index, save, new_bytes);
+    count_decision(info, call_index, decision, new_bytes);
+  }
+  if (is_offload(decision)) {
+    for (const auto& [position, s] : entry.produced) {
+      storages_[s].offload = true;
+      storages_[s].must_offload = decision == Policy::MustOffload;
+    }
   }
   bool writes_replayable = false;
   for (StorageId s : writes.storages) {
@@ -401,6 +442,17 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
   if (t.defined()) {
     saved.version = version_of(t);
     saved.version_counter = t.unsafeGetTensorImpl()->version_counter();
+  }
+  if (s.valid() && storages_[s].offload) {
+    const StorageRecord& record = storages_[s];
+    if (offload::why_not_offloadable(t, offload::options(), record.must_offload) == nullptr) {
+      saved.offloaded = offload::offload(
+          t, record.mutations.next_id().index(),
+          tape_.ops[tape_.entries[record.producer].op_index].facts->name);
+      ++stats_.packed_offloaded;
+      return saved;
+    }
+    ++stats_.offload_fallbacks; // PREFER_OFFLOAD: kept on the device
   }
   if (!s.valid() || !storages_[s].replayable) {
     saved.kept = held_for_backward(t);
@@ -499,7 +551,8 @@ std::vector<RegionOpSummary> Region::op_summary() const {
       by_call.resize(static_cast<size_t>(info.calls), 0);
       rows.push_back(
           {info.facts->name, info.saved, info.dropped, info.replayed, info.saved_bytes,
-           info.dropped_bytes, info.replay_ns, std::move(by_call)});
+           info.dropped_bytes, info.replay_ns, std::move(by_call), info.offloaded,
+           info.offloaded_bytes});
     }
   }
   return rows;

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "csrc/core/interceptor.h"
+#include "csrc/core/offload/offloader.h"
 #include "csrc/core/op_policy.h"
 #include "csrc/core/region/rebuild_planner.h"
 #include "csrc/core/region/replay_schedule.h"
@@ -75,6 +76,9 @@ struct SavedActivation {
   // Kept: a detached alias of the tensor, checked against its version at
   // pack time on unpack (autograd skips its own check when hooks are used).
   at::Tensor kept;
+  // Offloaded: its copy in host memory (csrc/core/offload/), version-checked
+  // the same way on unpack.
+  offload::OffloadedTensor offloaded;
   uint32_t version = 0;
   c10::VariableVersion version_counter; // of the packed tensor
   // Dropped: how to rebuild it.
@@ -184,7 +188,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       c10::ArrayRef<c10::IValue> outputs,
       bool save);
   // The policy's decision, in the stats and the op's counts.
-  void count_decision(OpInfo& info, int64_t call_index, bool save, int64_t new_bytes);
+  void count_decision(OpInfo& info, int64_t call_index, Policy decision, int64_t new_bytes);
+  // MUST_OFFLOAD for an op with an output that cannot be offloaded raises,
+  // naming the op and why.
+  static void check_must_offload(const OpFacts& facts, c10::ArrayRef<c10::IValue> outputs);
   // What a replay of the entry needs: its arguments, RNG and numerics.
   void record_for_replay(
       Entry& entry,

@@ -31,6 +31,9 @@ at::Tensor unpack(const SavedActivation& saved) {
   if (saved.region) {
     return saved.region->rebuild(saved);
   }
+  if (saved.offloaded.defined()) {
+    return saved.offloaded.reload();
+  }
   if (saved.kept.defined()) {
     const uint32_t now = current_version(saved.version_counter);
     TORCH_CHECK(
@@ -163,6 +166,9 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
   for (EntryId e : plan.entries) {
     const Entry& entry = tape_.entries[e];
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
+      if (slot.offloaded.defined()) {
+        return slot.offloaded.reload(/*check_version=*/!slot.preserved);
+      }
       if (slot.held.defined()) {
         check_held(slot, entry);
         return slot.held;

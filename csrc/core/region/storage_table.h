@@ -31,9 +31,13 @@ struct StorageRecord {
   c10::weak_intrusive_ptr<c10::StorageImpl> identity;
   c10::VariableVersion version_counter;
   int64_t nbytes = 0;
-  EntryId producer;                     // invalid: from outside the region
-  int32_t producer_output = 0;          // among the producer's output tensors
-  bool replayable = false;              // produced by a RECOMPUTE op, never tainted
+  EntryId producer;            // invalid: from outside the region
+  int32_t producer_output = 0; // among the producer's output tensors
+  bool replayable = false;     // produced by a RECOMPUTE op, never tainted
+  // Produced by an OFFLOAD op: what autograd or a replay keeps of it goes
+  // to host memory (csrc/core/offload/), MUST: or raises if it cannot.
+  bool offload = false;
+  bool must_offload = false;
   IdVector<StateId, EntryId> mutations; // [k]: the entry whose write made state k + 1
   // Last version seen, and whether a recorded write came after it: its
   // version bump happens above the interceptor, after the op returns (and

@@ -60,7 +60,9 @@ void Tape::record_args(
     Entry& entry,
     c10::ArrayRef<c10::IValue> inputs,
     const std::vector<c10::IValue>& overwritten,
-    StorageTable& storages) {
+    StorageTable& storages,
+    int64_t* offloads,
+    int64_t* fallbacks) {
   // Records a slot for `t` and returns the placeholder left in the argument.
   auto slot_for = [&](const at::Tensor& t, size_t arg, int32_t element) {
     if (!t.defined()) {
@@ -81,6 +83,21 @@ void Tape::record_args(
       slot.state = record.mutations.next_id();
       slot.geometry = TensorGeometry::of(t);
     } else {
+      if (storage.valid() && storages[storage].offload) {
+        const StorageRecord& record = storages[storage];
+        const offload::OffloadOptions options = offload::options();
+        if (offload::why_not_offloadable(t, options, record.must_offload) == nullptr) {
+          slot.offloaded = offload::offload(
+              t, record.mutations.next_id().index(),
+              ops[entries[record.producer].op_index].facts->name);
+          held_slots_[t.storage().unsafeGetStorageImpl()].emplace_back(
+              entries.next_id(), static_cast<int32_t>(entry.slots.size()));
+          ++*offloads;
+          entry.slots.push_back(std::move(slot));
+          return at::Tensor();
+        }
+        ++*fallbacks;
+      }
       slot.held = detached_alias(t);
       slot.version = version_of(t);
       if (t.has_storage()) {
@@ -135,6 +152,12 @@ int64_t Tape::preserve_held_before_write(const at::Tensor& t) {
       continue; // released
     }
     ArgSlot& slot = entries[e].slots[k];
+    if (slot.offloaded.defined()) {
+      // The host copy holds the value read (offload::before_write started or
+      // waited for it), so the write needs no copy here.
+      slot.preserved = slot.preserved || slot.offloaded.is_of(t.storage().unsafeGetStorageImpl());
+      continue;
+    }
     if (!slot.held.defined() || !slot.held.storage().is_alias_of(t.storage()) ||
         version_of(slot.held) != slot.version) {
       continue;

@@ -18,10 +18,11 @@
 #include <vector>
 
 #include "csrc/core/numerics_state.h"
+#include "csrc/core/offload/offloader.h"
 #include "csrc/core/op_facts.h"
 #include "csrc/core/region/ids.h"
 #include "csrc/core/region/rng_snapshot.h"
-#include "csrc/core/region/tensor_geometry.h"
+#include "csrc/core/tensor_geometry.h"
 
 namespace torch_sac::region {
 
@@ -35,6 +36,11 @@ struct ArgSlot {
   // its version when used...
   at::Tensor held;
   uint32_t version = 0;
+  // ...or its copy in host memory (a storage the policy offloaded), read
+  // back when a replay needs it; `preserved`: a recorded write came after,
+  // and the host copy holds the value read (no version check)...
+  offload::OffloadedTensor offloaded;
+  bool preserved = false;
   // ...or a reference into a storage the region can replay.
   StorageId storage; // invalid for a held tensor
   StateId state{0};
@@ -67,6 +73,8 @@ struct OpInfo {
   int64_t replayed = 0;
   int64_t saved_bytes = 0;
   int64_t dropped_bytes = 0;
+  int64_t offloaded = 0; // calls whose new outputs the policy offloaded
+  int64_t offloaded_bytes = 0;
   int64_t replay_ns = 0;
   std::vector<int64_t> replays_by_call;
   std::vector<int64_t> saved_calls; // call indices whose new outputs were kept
@@ -92,12 +100,15 @@ class Tape {
   // Fills `entry.args` and `entry.slots` from the op's `inputs` (`entry` is
   // about to be appended): `overwritten` replaces the inputs the op writes
   // that replay cannot rebuild. Records in `storages` which scopes read a
-  // replayable storage.
+  // replayable storage. A held input of an OFFLOAD op's storage is offloaded
+  // (`offloads`, `fallbacks`: counted).
   void record_args(
       Entry& entry,
       c10::ArrayRef<c10::IValue> inputs,
       const std::vector<c10::IValue>& overwritten,
-      StorageTable& storages);
+      StorageTable& storages,
+      int64_t* offloads,
+      int64_t* fallbacks);
   // Whether some entry holds a tensor (preserve_held_before_write has work).
   bool holds_tensors() const {
     return !held_slots_.empty();

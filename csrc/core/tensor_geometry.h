@@ -6,7 +6,7 @@
 #include <c10/core/Storage.h>
 #include <c10/util/SmallVector.h>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 struct TensorGeometry {
   // Inline up to 5 dimensions: one geometry per saved reference and per
@@ -26,4 +26,4 @@ struct TensorGeometry {
   int64_t nbytes() const;
 };
 
-} // namespace torch_sac::region
+} // namespace torch_sac

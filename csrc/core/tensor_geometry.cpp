@@ -1,9 +1,9 @@
-#include "csrc/core/region/tensor_geometry.h"
+#include "csrc/core/tensor_geometry.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
-namespace torch_sac::region {
+namespace torch_sac {
 
 TensorGeometry TensorGeometry::of(const at::Tensor& t) {
   // Autograd and Python keys are re-derived by TensorImpl or must not be
@@ -59,4 +59,4 @@ int64_t TensorGeometry::nbytes() const {
   return n * static_cast<int64_t>(dtype.itemsize());
 }
 
-} // namespace torch_sac::region
+} // namespace torch_sac

@@ -1,0 +1,561 @@
+#include "csrc/core/offload/offloader.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "csrc/core/replay_guard.h"
+#include "csrc/core/tensor_kind.h"
+#include "csrc/core/tensor_version.h"
+
+namespace torch_sac::offload {
+
+// One storage's host copy, and where its bytes are in forward and backward.
+// Every field is guarded by the Offloader's mutex.
+class OffloadedStorage : public std::enable_shared_from_this<OffloadedStorage> {
+ public:
+  OffloadedStorage() = default;
+  OffloadedStorage(const OffloadedStorage&) = delete;
+  OffloadedStorage& operator=(const OffloadedStorage&) = delete;
+  ~OffloadedStorage();
+
+  int64_t seq = 0; // offload order
+  c10::Device device{c10::kCPU};
+  int64_t nbytes = 0;
+  std::string op; // the op that made it, for errors
+  // Dedupe key: the storage (weakly, so its address cannot be reused
+  // unnoticed) and the caller's state.
+  const c10::StorageImpl* key = nullptr;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> identity;
+  uint64_t state = 0;
+  // Written after it was offloaded (before_write): backward must not take
+  // the original, even while someone keeps it alive.
+  bool written = false;
+
+  enum class Where : uint8_t { Staged, Copying, OnHost };
+  Where where = Where::Staged;
+  c10::Storage source;           // Staged, Copying: the device storage
+  std::optional<c10::Event> d2h; // Copying: the device-to-host copy
+  HostRange host;                // Copying, OnHost
+  // Backward: the storage reloaded ahead and not yet consumed, the copy into
+  // it (or into the last reload), and the last reload once consumed.
+  c10::Storage prefetched;
+  std::optional<c10::Event> h2d;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> reloaded;
+};
+
+namespace {
+
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : -1;
+}
+
+OffloadOptions default_options() {
+  OffloadOptions o;
+  const int64_t ram = physical_memory_bytes();
+  o.host_limit_bytes = ram > 0 ? ram / 2 : -1;
+  return o;
+}
+
+// The whole storage as uint8, below everything the interceptor sees.
+at::Tensor storage_bytes(const c10::Storage& storage, c10::Device device) {
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device))
+      .set_(storage, 0, {static_cast<int64_t>(storage.nbytes())}, {1});
+}
+
+int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now() - since)
+      .count();
+}
+
+class Offloader {
+ public:
+  static Offloader& get() {
+    // Never destroyed: offloaded tensors may die during interpreter teardown.
+    static auto* offloader = new Offloader();
+    return *offloader;
+  }
+
+  OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op);
+  c10::Storage reload(OffloadedStorage& s);
+  void before_write(const c10::StorageImpl* storage);
+  void forget(OffloadedStorage& s);
+  bool active() const {
+    return live_count_.load(std::memory_order_relaxed) > 0;
+  }
+  void prefetch(OffloadedStorage& s);
+
+  OffloadOptions options() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return options_;
+  }
+  void set_options(const OffloadOptions& o) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    options_ = o;
+  }
+  OffloadStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    OffloadStats s = stats_;
+    s.host = pool(c10::kCUDA).stats();
+    const HostPoolStats cpu = pool(c10::kCPU).stats();
+    s.host.in_use_bytes += cpu.in_use_bytes;
+    s.host.peak_in_use_bytes += cpu.peak_in_use_bytes;
+    s.host.reserved_bytes += cpu.reserved_bytes;
+    s.host.peak_reserved_bytes += cpu.peak_reserved_bytes;
+    s.host.chunks_allocated += cpu.chunks_allocated;
+    s.host.ranges_allocated += cpu.ranges_allocated;
+    return s;
+  }
+  void reset_peaks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.peak_copying_bytes = stats_.copying_bytes;
+    stats_.peak_prefetched_bytes = stats_.prefetched_bytes;
+    pool(c10::kCUDA).reset_peak();
+    pool(c10::kCPU).reset_peak();
+  }
+  void synchronize(bool trim);
+
+ private:
+  Offloader() : options_(default_options()), pinned_pool_(true), stand_in_pool_(false) {}
+
+  HostPool& pool(c10::DeviceType type) {
+    return type == c10::kCPU ? stand_in_pool_ : pinned_pool_;
+  }
+  c10::Stream copy_stream(c10::Device device);
+  void copy_out_locked(OffloadedStorage& s);
+  c10::Storage copy_in_locked(OffloadedStorage& s);
+  void prefetch_before_locked(int64_t seq);
+  void poll_locked();
+  void finish_copy_out_locked(OffloadedStorage& s);
+  void unstage_locked(OffloadedStorage& s);
+
+  std::mutex mutex_;
+  OffloadOptions options_;
+  OffloadStats stats_;
+  HostPool pinned_pool_;   // CUDA: page-locked chunks (allocated on first use)
+  HostPool stand_in_pool_; // the CPU stand-in
+  int64_t next_seq_ = 0;
+  std::map<int64_t, OffloadedStorage*> live_; // by offload order
+  std::unordered_map<const c10::StorageImpl*, OffloadedStorage*> by_storage_;
+  std::deque<OffloadedStorage*> staged_;
+  int64_t staged_bytes_ = 0;
+  std::vector<OffloadedStorage*> copying_;
+  std::atomic<int64_t> live_count_{0}; // live_.size(), read without the lock
+  // Device storages of forgotten copies a stream still reads or writes,
+  // kept until the copy's event completes.
+  std::vector<std::pair<c10::Storage, c10::Event>> retiring_;
+  std::unordered_map<c10::DeviceIndex, c10::Stream> copy_streams_;
+};
+
+c10::Stream Offloader::copy_stream(c10::Device device) {
+  auto it = copy_streams_.find(device.index());
+  if (it == copy_streams_.end()) {
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    it = copy_streams_.emplace(device.index(), impl.getStreamFromGlobalPool(device, false)).first;
+  }
+  return it->second;
+}
+
+OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const std::string& op) {
+  OffloadedTensor out;
+  out.geometry = TensorGeometry::of(t);
+  out.version_counter = t.unsafeGetTensorImpl()->version_counter();
+  out.version = version_of(t);
+  const c10::Storage& storage = t.storage();
+  const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(mutex_);
+  poll_locked();
+  if (auto it = by_storage_.find(key); it != by_storage_.end()) {
+    OffloadedStorage* s = it->second;
+    auto alive = s->identity->lock();
+    if (alive.get() == key && s->state == state) {
+      // Null when its last owner is being destroyed on another thread.
+      out.storage = s->weak_from_this().lock();
+      if (out.storage) {
+        ++stats_.deduplicated;
+        return out;
+      }
+    }
+  }
+  auto s = std::make_shared<OffloadedStorage>();
+  s->seq = next_seq_++;
+  s->device = t.device();
+  s->nbytes = static_cast<int64_t>(storage.nbytes());
+  s->op = op;
+  s->key = key;
+  s->identity = c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl());
+  s->state = state;
+  s->source = storage;
+  live_.emplace(s->seq, s.get());
+  by_storage_[key] = s.get();
+  staged_.push_back(s.get());
+  staged_bytes_ += s->nbytes;
+  live_count_.fetch_add(1, std::memory_order_relaxed);
+  ++stats_.offloaded;
+  out.storage = s;
+  // The oldest staged ones go to the host, beyond what stays on the device.
+  while (!staged_.empty() && staged_bytes_ > options_.keep_last_bytes) {
+    OffloadedStorage* oldest = staged_.front();
+    copy_out_locked(*oldest); // may raise at the host cap: it stays staged
+    unstage_locked(*oldest);
+  }
+  return out;
+}
+
+void Offloader::unstage_locked(OffloadedStorage& s) {
+  auto it = std::find(staged_.begin(), staged_.end(), &s);
+  if (it != staged_.end()) {
+    staged_.erase(it);
+    staged_bytes_ -= s.nbytes;
+  }
+}
+
+void Offloader::copy_out_locked(OffloadedStorage& s) {
+  TORCH_INTERNAL_ASSERT(s.where == OffloadedStorage::Where::Staged);
+  const auto start = std::chrono::steady_clock::now();
+  HostPool& host_pool = pool(s.device.type());
+  s.host = host_pool.allocate(s.nbytes, options_.host_limit_bytes);
+  const ReplayGuard not_intercepted;
+  at::Tensor dst = host_pool.bytes(s.host);
+  const at::Tensor src = storage_bytes(s.source, s.device);
+  if (s.device.is_cpu()) {
+    dst.copy_(src);
+    stats_.offloaded_bytes += s.nbytes;
+    finish_copy_out_locked(s);
+  } else {
+    const c10::impl::VirtualGuardImpl impl(s.device.type());
+    c10::Event produced(s.device.type());
+    produced.record(impl.getStream(s.device));
+    const c10::Stream side = copy_stream(s.device);
+    produced.block(side);
+    {
+      const c10::StreamGuard on_side(side);
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    s.d2h.emplace(s.device.type());
+    s.d2h->record(side);
+    s.where = OffloadedStorage::Where::Copying;
+    copying_.push_back(&s);
+    stats_.offloaded_bytes += s.nbytes;
+    stats_.copying_bytes += s.nbytes;
+    stats_.peak_copying_bytes = std::max(stats_.peak_copying_bytes, stats_.copying_bytes);
+  }
+  stats_.d2h_ns += elapsed_ns(start);
+}
+
+void Offloader::finish_copy_out_locked(OffloadedStorage& s) {
+  if (s.where == OffloadedStorage::Where::Copying) {
+    stats_.copying_bytes -= s.nbytes;
+  }
+  s.where = OffloadedStorage::Where::OnHost;
+  s.source = c10::Storage();
+  s.d2h.reset();
+}
+
+void Offloader::poll_locked() {
+  copying_.erase(
+      std::remove_if(
+          copying_.begin(), copying_.end(),
+          [&](OffloadedStorage* s) {
+            if (!s->d2h->query()) {
+              return false;
+            }
+            finish_copy_out_locked(*s);
+            return true;
+          }),
+      copying_.end());
+  retiring_.erase(
+      std::remove_if(
+          retiring_.begin(), retiring_.end(), [](const auto& r) { return r.second.query(); }),
+      retiring_.end());
+}
+
+c10::Storage Offloader::copy_in_locked(OffloadedStorage& s) {
+  const auto start = std::chrono::steady_clock::now();
+  const ReplayGuard not_intercepted;
+  const at::Tensor src = pool(s.device.type()).bytes(s.host);
+  // Allocated on the consuming (current) stream, so that the caching
+  // allocator orders its reuse after the consumer; the copy stream waits
+  // for the allocation instead.
+  at::Tensor dst = at::empty({s.nbytes}, at::TensorOptions().dtype(at::kByte).device(s.device));
+  if (s.device.is_cpu()) {
+    dst.copy_(src);
+    s.h2d.reset();
+  } else {
+    const c10::impl::VirtualGuardImpl impl(s.device.type());
+    c10::Event allocated(s.device.type());
+    allocated.record(impl.getStream(s.device));
+    const c10::Stream side = copy_stream(s.device);
+    allocated.block(side);
+    {
+      const c10::StreamGuard on_side(side);
+      dst.copy_(src, /*non_blocking=*/true);
+    }
+    s.h2d.emplace(s.device.type());
+    s.h2d->record(side);
+  }
+  ++stats_.reloaded;
+  stats_.reloaded_bytes += s.nbytes;
+  stats_.h2d_ns += elapsed_ns(start);
+  return dst.storage();
+}
+
+void Offloader::prefetch_before_locked(int64_t seq) {
+  for (auto it = live_.lower_bound(seq); it != live_.begin();) {
+    --it;
+    OffloadedStorage& s = *it->second;
+    if (s.where == OffloadedStorage::Where::Staged || s.prefetched ||
+        (s.reloaded && s.reloaded->use_count() > 0)) {
+      continue; // on the device already
+    }
+    if (stats_.prefetched_bytes + s.nbytes > options_.prefetch_bytes) {
+      return;
+    }
+    s.prefetched = copy_in_locked(s);
+    ++stats_.prefetched;
+    stats_.prefetched_bytes += s.nbytes;
+    stats_.peak_prefetched_bytes = std::max(stats_.peak_prefetched_bytes, stats_.prefetched_bytes);
+  }
+}
+
+c10::Storage Offloader::reload(OffloadedStorage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  poll_locked();
+  c10::Storage out;
+  if (s.where == OffloadedStorage::Where::Staged) {
+    // Among the last offloaded: never left the device (a write in the
+    // region would have started its copy, one outside fails the caller's
+    // version check).
+    out = s.source;
+    ++stats_.kept_last;
+    stats_.kept_last_bytes += s.nbytes;
+  } else if (auto original = s.identity->lock();
+             !s.written && original && static_cast<int64_t>(original->nbytes()) == s.nbytes) {
+    // Someone kept the original alive and unchanged: no copy needed.
+    out = c10::Storage(std::move(original));
+  } else if (s.prefetched) {
+    out = std::move(s.prefetched);
+    s.prefetched = c10::Storage();
+    stats_.prefetched_bytes -= s.nbytes;
+    if (s.h2d && !s.h2d->query()) {
+      ++stats_.late;
+      stats_.late_bytes += s.nbytes;
+    }
+  } else if (auto alive = s.reloaded ? s.reloaded->lock() : c10::intrusive_ptr<c10::StorageImpl>();
+             alive) {
+    out = c10::Storage(std::move(alive)); // another tensor of it was reloaded
+  } else {
+    // Not started ahead. A copy out still running is on the same stream, so
+    // this copy reads the host bytes after it.
+    out = copy_in_locked(s);
+    ++stats_.late;
+    stats_.late_bytes += s.nbytes;
+  }
+  if (s.h2d && out.unsafeGetStorageImpl() != s.source.unsafeGetStorageImpl()) {
+    const c10::impl::VirtualGuardImpl impl(s.device.type());
+    s.h2d->block(impl.getStream(s.device)); // the consumer waits, the host does not
+  }
+  if (out.unsafeGetStorageImpl() != s.source.unsafeGetStorageImpl()) {
+    s.reloaded = c10::weak_intrusive_ptr<c10::StorageImpl>(out.getWeakStorageImpl());
+  }
+  prefetch_before_locked(s.seq);
+  return out;
+}
+
+void Offloader::prefetch(OffloadedStorage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (s.where == OffloadedStorage::Where::Staged || s.prefetched ||
+      (s.reloaded && s.reloaded->use_count() > 0) ||
+      stats_.prefetched_bytes + s.nbytes > options_.prefetch_bytes) {
+    return;
+  }
+  s.prefetched = copy_in_locked(s);
+  ++stats_.prefetched;
+  stats_.prefetched_bytes += s.nbytes;
+  stats_.peak_prefetched_bytes = std::max(stats_.peak_prefetched_bytes, stats_.prefetched_bytes);
+}
+
+void Offloader::before_write(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = by_storage_.find(storage);
+  if (it == by_storage_.end()) {
+    return;
+  }
+  OffloadedStorage& s = *it->second;
+  s.written = true;
+  if (s.where == OffloadedStorage::Where::Staged) {
+    copy_out_locked(s); // ordered before the write on the compute stream
+    unstage_locked(s);
+  }
+  if (s.where == OffloadedStorage::Where::Copying) {
+    const c10::impl::VirtualGuardImpl impl(s.device.type());
+    s.d2h->block(impl.getStream(s.device)); // the write waits for the copy
+  }
+}
+
+void Offloader::forget(OffloadedStorage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  live_.erase(s.seq);
+  live_count_.fetch_sub(1, std::memory_order_relaxed);
+  if (auto it = by_storage_.find(s.key); it != by_storage_.end() && it->second == &s) {
+    by_storage_.erase(it);
+  }
+  switch (s.where) {
+    case OffloadedStorage::Where::Staged:
+      unstage_locked(s);
+      break;
+    case OffloadedStorage::Where::Copying:
+      copying_.erase(std::find(copying_.begin(), copying_.end(), &s));
+      stats_.copying_bytes -= s.nbytes;
+      if (!s.d2h->query()) {
+        retiring_.emplace_back(std::move(s.source), std::move(*s.d2h));
+      }
+      break;
+    case OffloadedStorage::Where::OnHost:
+      break;
+  }
+  if (s.prefetched) {
+    stats_.prefetched_bytes -= s.nbytes;
+    if (s.h2d && !s.h2d->query()) {
+      // The copy into it still runs; the allocator must not hand it out.
+      c10::Event done(s.device.type());
+      done.record(copy_stream(s.device));
+      retiring_.emplace_back(std::move(s.prefetched), std::move(done));
+    }
+  }
+  // The host range is free again once a copy from it has completed.
+  if (s.host.valid()) {
+    pool(s.device.type()).release(s.host, std::move(s.h2d));
+  }
+}
+
+void Offloader::synchronize(bool trim) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (OffloadedStorage* s : copying_) {
+    s->d2h->synchronize();
+  }
+  for (auto& r : retiring_) {
+    r.second.synchronize();
+  }
+  poll_locked();
+  if (trim) {
+    pinned_pool_.trim();
+    stand_in_pool_.trim();
+  }
+}
+
+} // namespace
+
+OffloadedStorage::~OffloadedStorage() {
+  Offloader::get().forget(*this);
+}
+
+const char* why_not_offloadable(const at::Tensor& t, const OffloadOptions& options, bool must) {
+  if (!t.defined()) {
+    return nullptr;
+  }
+  if (const char* kind = unrecordable_kind(t)) {
+    return kind;
+  }
+  if (!t.has_storage() || t.layout() != c10::kStrided) {
+    return "it has no strided storage of its own";
+  }
+  const c10::Device device = t.device();
+  if (device.is_cpu() && !options.cpu_stand_in) {
+    return "it is a CPU tensor (offloading moves CUDA tensors to host memory)";
+  }
+  if (!device.is_cpu() && !device.is_cuda()) {
+    return "offloading supports CUDA tensors only";
+  }
+  if (!must && static_cast<int64_t>(t.storage().nbytes()) < options.min_bytes) {
+    return "its storage is smaller than the offload threshold (min_bytes)";
+  }
+  return nullptr;
+}
+
+at::Tensor OffloadedTensor::reload(bool check_version) const {
+  const uint32_t now = current_version(version_counter);
+  TORCH_CHECK(
+      !check_version || now == version,
+      "one of the variables needed for gradient computation has been modified by an inplace "
+      "operation: a tensor of shape ",
+      c10::IntArrayRef(geometry.sizes), " is at version ", now, "; expected version ", version,
+      " instead. (torch_sac: it was offloaded to host memory for backward, made by ", storage->op,
+      ".) Hint: enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find "
+      "the operation that failed to compute its gradient.");
+  at::Tensor t = geometry.view_of(Offloader::get().reload(*storage));
+  t.unsafeGetTensorImpl()->set_version_counter(version_counter);
+  return t;
+}
+
+int64_t OffloadedTensor::nbytes() const {
+  return storage ? storage->nbytes : 0;
+}
+
+OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op) {
+  return Offloader::get().offload(t, state, op);
+}
+
+void before_write(const c10::StorageImpl* storage) {
+  if (Offloader::get().active()) {
+    Offloader::get().before_write(storage);
+  }
+}
+
+bool active() {
+  return Offloader::get().active();
+}
+
+void OffloadedTensor::prefetch() const {
+  Offloader::get().prefetch(*storage);
+}
+
+bool OffloadedTensor::is_of(const c10::StorageImpl* s) const {
+  // identity is set once, at creation: no lock needed to read it.
+  return storage && storage->key == s && storage->identity->lock().get() == s;
+}
+
+OffloadOptions options() {
+  return Offloader::get().options();
+}
+
+void set_options(const OffloadOptions& o) {
+  TORCH_CHECK_VALUE(
+      o.host_limit_bytes == -1 || o.host_limit_bytes > 0,
+      "torch_sac.offload: host_limit_bytes must be positive or -1 (no cap), got ",
+      o.host_limit_bytes);
+  TORCH_CHECK_VALUE(
+      o.min_bytes >= 0 && o.prefetch_bytes >= 0 && o.keep_last_bytes >= 0,
+      "torch_sac.offload: min_bytes, prefetch_bytes and keep_last_bytes must be >= 0, got ",
+      o.min_bytes, ", ", o.prefetch_bytes, " and ", o.keep_last_bytes);
+  Offloader::get().set_options(o);
+}
+
+OffloadStats stats() {
+  return Offloader::get().stats();
+}
+
+void reset_peaks() {
+  Offloader::get().reset_peaks();
+}
+
+void synchronize(bool trim) {
+  Offloader::get().synchronize(trim);
+}
+
+} // namespace torch_sac::offload

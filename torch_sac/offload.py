@@ -1,0 +1,163 @@
+"""Offloading saved activations to host memory: the runtime's options and
+what it did.
+
+A policy offloads an op's outputs by returning
+:attr:`torch_sac.Policy.MUST_OFFLOAD` or :attr:`~torch_sac.Policy.PREFER_OFFLOAD`
+(PyTorch's ``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` mean
+the same), or with :func:`torch_sac.policies.offload_matmuls` and
+:func:`torch_sac.policies.offload_ops`. In every engine (``sac_context``,
+``checkpoint``, ``create_selective_checkpoint_contexts``, the C++ API):
+
+- forward copies the outputs device-to-host on a side stream, into a pinned
+  host pool reused from step to step, and releases the device memory when
+  the copy has completed; the most recently offloaded ``keep_last_bytes``
+  stay on the device, because backward needs them first;
+- backward brings each one back ahead of its first use, in forward's
+  reverse order, up to ``prefetch_bytes`` in flight, and the consuming
+  stream waits on the copy (the host never does);
+- views share their base's copy; a tensor modified in place after it was
+  offloaded raises autograd's error, as a saved tensor does.
+
+What cannot be offloaded: CPU tensors, views whose base another op made,
+list outputs, tensors without strided storage, and (for ``PREFER_OFFLOAD``)
+tensors below ``min_bytes``. ``PREFER_OFFLOAD`` saves them on the device
+(counted as ``offload_fallbacks`` in the engines' stats); ``MUST_OFFLOAD``
+raises, naming the op and why.
+
+The options hold for the whole process; set them before the forward::
+
+    torch_sac.offload.set_options(host_limit_bytes=32 << 30)
+    with torch_sac.offload.using(keep_last_bytes=0):  # for one block of code
+        ...
+
+``cpu_stand_in=True`` offloads CPU tensors too, into a host pool outside
+the CPU allocator torch_sac counts (:mod:`torch_sac.memory`), with plain
+copies: for tests and for checking what offloading saves without a GPU. It
+does not make CPU training faster.
+
+See docs/offload.md for when to offload and the measured tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from . import _C
+
+__all__ = [
+    "OffloadOptions",
+    "options",
+    "set_options",
+    "using",
+    "stats",
+    "reset_peak_stats",
+    "synchronize",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """The offload runtime's options (see the module's docstring).
+
+    Attributes:
+        host_limit_bytes: host memory offloaded activations may take; ``-1``
+            means no cap. Default: half of the machine's physical memory.
+            Offloading past it raises ``torch.OutOfMemoryError`` naming the
+            cap.
+        min_bytes: ``PREFER_OFFLOAD`` saves tensors whose storage is smaller
+            (default 1 MiB: a copy's fixed cost outweighs what it frees).
+        prefetch_bytes: backward's lookahead, bytes brought back ahead of
+            their first use and not yet used (default 256 MiB).
+        keep_last_bytes: the most recently offloaded bytes stay on the device
+            (default 64 MiB): backward uses them first, so no copy could be
+            hidden behind compute.
+        cpu_stand_in: offload CPU tensors into a stand-in host pool (tests).
+    """
+
+    host_limit_bytes: int
+    min_bytes: int
+    prefetch_bytes: int
+    keep_last_bytes: int
+    cpu_stand_in: bool
+
+
+def options() -> OffloadOptions:
+    """The options in effect."""
+    return OffloadOptions(**_C.offload_options())
+
+
+def set_options(**changes) -> OffloadOptions:
+    """Changes some options, for the whole process; returns the previous ones.
+
+    Args:
+        **changes: fields of :class:`OffloadOptions`.
+
+    Raises:
+        TypeError: an unknown option, or a value of the wrong type.
+        ValueError: a negative size (``host_limit_bytes`` may be ``-1``).
+    """
+    previous = options()
+    fields = {f.name: f.type for f in dataclasses.fields(OffloadOptions)}
+    for name, value in changes.items():
+        if name not in fields:
+            raise TypeError(
+                f"torch_sac.offload.set_options: unknown option {name!r}; "
+                f"the options are {', '.join(fields)}"
+            )
+        wanted = bool if name == "cpu_stand_in" else int
+        if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+            raise TypeError(
+                f"torch_sac.offload.set_options: {name} must be {wanted.__name__}, got {value!r}"
+            )
+    _C.set_offload_options(**{**dataclasses.asdict(previous), **changes})
+    return previous
+
+
+@contextlib.contextmanager
+def using(**changes) -> Iterator[OffloadOptions]:
+    """Sets options for a block of code, and puts the previous ones back.
+
+    Example:
+        >>> with torch_sac.offload.using(cpu_stand_in=True, min_bytes=0):
+        ...     loss = model(x).sum()
+        ...     loss.backward()
+    """
+    previous = set_options(**changes)
+    try:
+        yield options()
+    finally:
+        _C.set_offload_options(**dataclasses.asdict(previous))
+
+
+def stats() -> dict[str, int]:
+    """What the runtime did since the process started, and what it holds now.
+
+    Keys: ``offloaded`` / ``offloaded_bytes`` (storages and bytes copied to
+    host memory), ``deduplicated`` (offloads served by an existing copy: views),
+    ``kept_last`` / ``kept_last_bytes`` (offloaded storages backward took from
+    the device: the last ones), ``reloaded`` / ``reloaded_bytes`` (copies back),
+    ``prefetched`` (of which started ahead of their use), ``late`` /
+    ``late_bytes`` (reloads the consumer had to wait for: copied on demand, or
+    started ahead but not complete at first use on a GPU), ``copying_bytes`` /
+    ``peak_copying_bytes`` (device memory held for copies to the host still
+    running), ``prefetched_bytes`` / ``peak_prefetched_bytes`` (device memory
+    brought back ahead and not yet used), ``d2h_ns`` / ``h2d_ns`` (host time
+    spent issuing copies; on the CPU stand-in, the copies themselves),
+    ``host_in_use_bytes`` / ``host_peak_bytes`` / ``host_reserved_bytes`` /
+    ``host_peak_reserved_bytes`` / ``host_chunks_allocated`` (the host pool).
+    Peaks count from the last :func:`reset_peak_stats`.
+    """
+    return dict(_C.offload_stats())
+
+
+def reset_peak_stats() -> None:
+    """Restarts the peaks of :func:`stats` from what is held now."""
+    _C.offload_reset_peaks()
+
+
+def synchronize(trim: bool = False) -> None:
+    """Waits for every copy still running; with ``trim``, returns the host
+    pool's unused chunks."""
+    _C.offload_synchronize(trim)
