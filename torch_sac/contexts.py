@@ -217,8 +217,10 @@ def create_selective_checkpoint_contexts(
         The policy is called once per op in forward, after the op ran, and
         never during recompute. Ops in :data:`torch_sac.IGNORED_OPS` never
         reach it. With grad disabled or in inference mode nothing is recorded.
-        A second backward through the region raises, as in PyTorch. Unlike
-        PyTorch, CPU-offload policies are not supported.
+        A second backward through the region raises, as in PyTorch.
+        ``*_CPU_OFFLOAD`` (``Policy.*_OFFLOAD``) offloads the outputs to host
+        memory (:mod:`torch_sac.offload`), where PyTorch's eager SAC
+        recomputes them.
     """
     if not isinstance(allow_cache_entry_mutation, bool):
         raise TypeError(

@@ -524,7 +524,8 @@ void CachingHandler::check_must_offload(
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
       const char* why = record.facts->returns_alias
-          ? "it is a view of an input (offload the op that made its base)"
+          ? "it is a view of an input or an input written in place (offload the op that made "
+            "the storage)"
           : !out.isTensor() ? "it is part of a list output"
                             : offload::why_not_offloadable(t, options, /*must=*/true);
       TORCH_CHECK_VALUE(

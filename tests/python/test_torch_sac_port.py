@@ -718,22 +718,28 @@ OFFLOAD = [CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOA
 @pytest.mark.parametrize("engine", ENGINES)
 def test_cpu_offload_policy(engine, value):
     """No eager PyTorch test exists for ``{MUST,PREFER}_CPU_OFFLOAD``
-    (``CheckpointPolicy``'s docs; PyTorch 2.13's eager SAC treats them as
+    (``CheckpointPolicy``'s docs; PyTorch's eager SAC treats them as
     recompute, which the control checks: exact gradients). torch_sac
-    raises ``NotImplementedError`` on purpose (README, "Differences from
-    PyTorch, on purpose"), asserted for both torch_sac engines."""
+    offloads (tests/python/test_offload.py): on a CPU tensor, PREFER saves
+    it instead and MUST raises ValueError naming the op; with the CPU
+    stand-in both offload, with exact gradients."""
 
     def policy(ctx, op, *args, **kwargs):
         return value if op is aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
 
     x = torch.randn(3, requires_grad=True)
-    if engine == "torch":
+    x_ref = x.detach().clone().requires_grad_(True)
+    _sin_cos_exp(x_ref).sum().backward()
+    if engine != "torch":
+        with torch_sac.offload.using(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0):
+            run_ckpt(engine, _sin_cos_exp, x, policy=policy).sum().backward()
+        assert_tensors_equal(x.grad, x_ref.grad, "x.grad (stand-in)")
+        x.grad = None
+    if engine == "torch" or value is CheckpointPolicy.PREFER_CPU_OFFLOAD:
         run_ckpt(engine, _sin_cos_exp, x, policy=policy).sum().backward()
-        x_ref = x.detach().clone().requires_grad_(True)
-        _sin_cos_exp(x_ref).sum().backward()
         assert_tensors_equal(x.grad, x_ref.grad, "x.grad")
         return
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="MUST_OFFLOAD for aten::sin.*CPU tensor"):
         run_ckpt(engine, _sin_cos_exp, x, policy=policy).sum().backward()
     # The interceptor is off again afterwards.
     y = torch.randn(3, requires_grad=True)

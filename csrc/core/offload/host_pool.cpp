@@ -17,6 +17,9 @@ int64_t round_up(int64_t n, int64_t to) {
 }
 
 std::string mib(int64_t bytes) {
+  if (bytes < (int64_t{1} << 20)) {
+    return std::to_string(bytes) + " bytes";
+  }
   return std::to_string((bytes + (1 << 19)) >> 20) + " MiB";
 }
 
@@ -65,7 +68,7 @@ std::optional<HostRange> HostPool::fit(int64_t nbytes) {
     return std::nullopt;
   }
   Chunk& chunk = chunks_[best_chunk];
-  const HostRange range{best_chunk, best->first, nbytes};
+  const HostRange range{best_chunk, best->first, nbytes, nbytes};
   const int64_t rest = best->second - nbytes;
   chunk.free.erase(best);
   if (rest > 0) {
@@ -79,34 +82,42 @@ HostRange HostPool::allocate(int64_t nbytes, int64_t limit_bytes) {
   TORCH_CHECK(nbytes >= 0, "torch_sac: HostPool::allocate of ", nbytes, " bytes");
   const int64_t size = round_up(std::max<int64_t>(nbytes, 1), kAlignment);
   std::lock_guard<std::mutex> lock(mutex_);
+  const auto at_cap = [&](int64_t bytes) {
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, false, "torch_sac: offloading a tensor of ", mib(nbytes),
+        " would take the host memory for offloaded activations past its cap of ",
+        mib(limit_bytes), " (", mib(stats_.in_use_bytes), " in use, ", mib(bytes),
+        " needed). Raise the cap with torch_sac.offload.set_options(host_limit_bytes=...), "
+        "offload fewer ops, or recompute some of them.");
+  };
+  if (limit_bytes >= 0 && stats_.in_use_bytes + size > limit_bytes) {
+    at_cap(stats_.in_use_bytes + size);
+  }
   collect_returned(/*wait=*/false);
   std::optional<HostRange> range = fit(size);
-  const auto room = [&] {
-    return limit_bytes < 0 ? INT64_MAX : limit_bytes - stats_.reserved_bytes;
-  };
-  if (!range && room() < size) {
-    // At the cap: the ranges whose copies are still running come back first.
+  if (!range && limit_bytes >= 0 && stats_.reserved_bytes + size > limit_bytes) {
+    // Growing would pass the cap: first the ranges whose copies are still
+    // running, then the chunks nothing uses.
     collect_returned(/*wait=*/true);
     range = fit(size);
+    if (!range) {
+      trim_locked();
+      if (stats_.reserved_bytes + size > limit_bytes) {
+        at_cap(stats_.reserved_bytes + size); // in use, but fragmented
+      }
+    }
   }
   if (!range) {
-    TORCH_CHECK_WITH(
-        OutOfMemoryError, room() >= size, "torch_sac: offloading a tensor of ", mib(nbytes),
-        " would take the host memory for offloaded activations past its cap of ", mib(limit_bytes),
-        " (", mib(stats_.in_use_bytes), " in use, ", mib(stats_.reserved_bytes),
-        " reserved). Raise the cap with torch_sac.offload.set_options(host_limit_bytes=...), "
-        "offload fewer ops (PREFER_OFFLOAD falls back to saving only for ineligible tensors), "
-        "or recompute some of them.");
     // A new chunk: at least kChunkBytes, as room under the cap allows.
-    const int64_t chunk_bytes = std::max(size, std::min(kChunkBytes, room()));
+    const int64_t room = limit_bytes < 0 ? INT64_MAX : limit_bytes - stats_.reserved_bytes;
+    const int64_t chunk_bytes = std::max(size, std::min(kChunkBytes, room));
     Chunk chunk;
     chunk.memory = allocate_chunk(chunk_bytes);
     chunk.nbytes = chunk_bytes;
     chunk.free.emplace(0, chunk_bytes);
     // Reuse the slot of a trimmed chunk, so ranges' chunk indices stay valid.
-    auto slot = std::find_if(chunks_.begin(), chunks_.end(), [](const Chunk& c) {
-      return !c.memory.defined();
-    });
+    auto slot = std::find_if(
+        chunks_.begin(), chunks_.end(), [](const Chunk& c) { return !c.memory.defined(); });
     if (slot == chunks_.end()) {
       chunks_.push_back(std::move(chunk));
     } else {
@@ -118,7 +129,8 @@ HostRange HostPool::allocate(int64_t nbytes, int64_t limit_bytes) {
     range = fit(size);
     TORCH_INTERNAL_ASSERT(range, "a new chunk must fit the request");
   }
-  stats_.in_use_bytes += range->nbytes;
+  range->nbytes = nbytes;
+  stats_.in_use_bytes += range->size;
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
   ++stats_.ranges_allocated;
   return *range;
@@ -126,9 +138,9 @@ HostRange HostPool::allocate(int64_t nbytes, int64_t limit_bytes) {
 
 void HostPool::free_range(const HostRange& range) {
   Chunk& chunk = chunks_[range.chunk];
-  chunk.used -= range.nbytes;
+  chunk.used -= range.size;
   int64_t offset = range.offset;
-  int64_t nbytes = range.nbytes;
+  int64_t nbytes = range.size;
   auto next = chunk.free.lower_bound(offset);
   if (next != chunk.free.end() && next->first == offset + nbytes) {
     nbytes += next->second;
@@ -150,7 +162,7 @@ void HostPool::release(const HostRange& range, std::optional<c10::Event> in_use_
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.in_use_bytes -= range.nbytes;
+  stats_.in_use_bytes -= range.size;
   if (in_use_until && !in_use_until->query()) {
     returned_.push_back({range, std::move(*in_use_until)});
     return;
@@ -181,6 +193,10 @@ at::Tensor HostPool::bytes(const HostRange& range) const {
 void HostPool::trim() {
   std::lock_guard<std::mutex> lock(mutex_);
   collect_returned(/*wait=*/false);
+  trim_locked();
+}
+
+void HostPool::trim_locked() {
   for (Chunk& chunk : chunks_) {
     if (chunk.memory.defined() && chunk.used == 0) {
       stats_.reserved_bytes -= chunk.nbytes;

@@ -33,7 +33,8 @@ namespace torch_sac::offload {
 struct HostRange {
   int32_t chunk = -1;
   int64_t offset = 0;
-  int64_t nbytes = 0;
+  int64_t nbytes = 0; // asked for
+  int64_t size = 0;   // taken from the chunk (aligned)
   bool valid() const {
     return chunk >= 0;
   }
@@ -57,8 +58,9 @@ class HostPool {
   HostPool& operator=(const HostPool&) = delete;
 
   // A range of at least `nbytes`. Raises c10::OutOfMemoryError naming the
-  // cap when the chunks would grow past `limit_bytes` (-1: no cap) even
-  // after waiting for every returned range's copy.
+  // cap when the ranges in use, or the chunks, would pass `limit_bytes`
+  // (-1: no cap), the latter even after waiting for every returned range's
+  // copy and freeing unused chunks.
   HostRange allocate(int64_t nbytes, int64_t limit_bytes);
   // The range is free once `in_use_until` (if any) has completed.
   void release(const HostRange& range, std::optional<c10::Event> in_use_until);
@@ -95,6 +97,7 @@ class HostPool {
   // Frees returned ranges whose copy has completed; waits for all of them
   // first when `wait`.
   void collect_returned(bool wait);
+  void trim_locked();
   at::Tensor allocate_chunk(int64_t nbytes) const;
 
   mutable std::mutex mutex_;

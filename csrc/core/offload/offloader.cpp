@@ -54,6 +54,11 @@ class OffloadedStorage : public std::enable_shared_from_this<OffloadedStorage> {
   c10::Storage prefetched;
   std::optional<c10::Event> h2d;
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> reloaded;
+  // Saved tensors of it not yet reloaded; while some are, the last reload
+  // stays on the device for them.
+  int32_t unconsumed = 0;
+  c10::Storage resident;
+  bool counted_kept_last = false;
 };
 
 namespace {
@@ -83,6 +88,8 @@ int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
+} // namespace
+
 class Offloader {
  public:
   static Offloader& get() {
@@ -92,7 +99,8 @@ class Offloader {
   }
 
   OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op);
-  c10::Storage reload(OffloadedStorage& s);
+  c10::Storage reload(OffloadedStorage& s, bool* consumed);
+  void release_consumer(OffloadedStorage& s);
   void before_write(const c10::StorageImpl* storage);
   void forget(OffloadedStorage& s);
   bool active() const {
@@ -173,9 +181,9 @@ c10::Stream Offloader::copy_stream(c10::Device device) {
 
 OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const std::string& op) {
   OffloadedTensor out;
-  out.geometry = TensorGeometry::of(t);
-  out.version_counter = t.unsafeGetTensorImpl()->version_counter();
-  out.version = version_of(t);
+  out.geometry_ = TensorGeometry::of(t);
+  out.version_counter_ = t.unsafeGetTensorImpl()->version_counter();
+  out.version_ = version_of(t);
   const c10::Storage& storage = t.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -185,8 +193,9 @@ OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const st
     auto alive = s->identity->lock();
     if (alive.get() == key && s->state == state) {
       // Null when its last owner is being destroyed on another thread.
-      out.storage = s->weak_from_this().lock();
-      if (out.storage) {
+      out.storage_ = s->weak_from_this().lock();
+      if (out.storage_) {
+        ++s->unconsumed;
         ++stats_.deduplicated;
         return out;
       }
@@ -207,7 +216,8 @@ OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const st
   staged_bytes_ += s->nbytes;
   live_count_.fetch_add(1, std::memory_order_relaxed);
   ++stats_.offloaded;
-  out.storage = s;
+  s->unconsumed = 1;
+  out.storage_ = s;
   // The oldest staged ones go to the host, beyond what stays on the device.
   while (!staged_.empty() && staged_bytes_ > options_.keep_last_bytes) {
     OffloadedStorage* oldest = staged_.front();
@@ -319,7 +329,7 @@ void Offloader::prefetch_before_locked(int64_t seq) {
   for (auto it = live_.lower_bound(seq); it != live_.begin();) {
     --it;
     OffloadedStorage& s = *it->second;
-    if (s.where == OffloadedStorage::Where::Staged || s.prefetched ||
+    if (s.where == OffloadedStorage::Where::Staged || s.prefetched || s.resident ||
         (s.reloaded && s.reloaded->use_count() > 0)) {
       continue; // on the device already
     }
@@ -333,17 +343,26 @@ void Offloader::prefetch_before_locked(int64_t seq) {
   }
 }
 
-c10::Storage Offloader::reload(OffloadedStorage& s) {
+c10::Storage Offloader::reload(OffloadedStorage& s, bool* consumed) {
   std::lock_guard<std::mutex> lock(mutex_);
   poll_locked();
+  if (!*consumed) {
+    *consumed = true;
+    --s.unconsumed;
+  }
   c10::Storage out;
   if (s.where == OffloadedStorage::Where::Staged) {
     // Among the last offloaded: never left the device (a write in the
     // region would have started its copy, one outside fails the caller's
     // version check).
     out = s.source;
-    ++stats_.kept_last;
-    stats_.kept_last_bytes += s.nbytes;
+    if (!s.counted_kept_last) {
+      s.counted_kept_last = true;
+      ++stats_.kept_last;
+      stats_.kept_last_bytes += s.nbytes;
+    }
+  } else if (s.resident) {
+    out = s.resident; // reloaded for an earlier saved tensor of it
   } else if (auto original = s.identity->lock();
              !s.written && original && static_cast<int64_t>(original->nbytes()) == s.nbytes) {
     // Someone kept the original alive and unchanged: no copy needed.
@@ -372,14 +391,22 @@ c10::Storage Offloader::reload(OffloadedStorage& s) {
   }
   if (out.unsafeGetStorageImpl() != s.source.unsafeGetStorageImpl()) {
     s.reloaded = c10::weak_intrusive_ptr<c10::StorageImpl>(out.getWeakStorageImpl());
+    s.resident = s.unconsumed > 0 ? out : c10::Storage();
   }
   prefetch_before_locked(s.seq);
   return out;
 }
 
+void Offloader::release_consumer(OffloadedStorage& s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (--s.unconsumed == 0) {
+    s.resident = c10::Storage();
+  }
+}
+
 void Offloader::prefetch(OffloadedStorage& s) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (s.where == OffloadedStorage::Where::Staged || s.prefetched ||
+  if (s.where == OffloadedStorage::Where::Staged || s.prefetched || s.resident ||
       (s.reloaded && s.reloaded->use_count() > 0) ||
       stats_.prefetched_bytes + s.nbytes > options_.prefetch_bytes) {
     return;
@@ -429,6 +456,7 @@ void Offloader::forget(OffloadedStorage& s) {
     case OffloadedStorage::Where::OnHost:
       break;
   }
+  s.resident = c10::Storage(); // consumed: its copy back completed for the consumer
   if (s.prefetched) {
     stats_.prefetched_bytes -= s.nbytes;
     if (s.h2d && !s.h2d->query()) {
@@ -459,8 +487,6 @@ void Offloader::synchronize(bool trim) {
   }
 }
 
-} // namespace
-
 OffloadedStorage::~OffloadedStorage() {
   Offloader::get().forget(*this);
 }
@@ -488,23 +514,57 @@ const char* why_not_offloadable(const at::Tensor& t, const OffloadOptions& optio
   return nullptr;
 }
 
+OffloadedTensor::OffloadedTensor(OffloadedTensor&& other) noexcept
+    : storage_(std::move(other.storage_)),
+      geometry_(std::move(other.geometry_)),
+      version_counter_(std::move(other.version_counter_)),
+      version_(other.version_),
+      consumed_(other.consumed_) {
+  other.storage_.reset();
+}
+
+OffloadedTensor& OffloadedTensor::operator=(OffloadedTensor&& other) noexcept {
+  if (this != &other) {
+    release();
+    storage_ = std::move(other.storage_);
+    other.storage_.reset();
+    geometry_ = std::move(other.geometry_);
+    version_counter_ = std::move(other.version_counter_);
+    version_ = other.version_;
+    consumed_ = other.consumed_;
+  }
+  return *this;
+}
+
+OffloadedTensor::~OffloadedTensor() {
+  release();
+}
+
+void OffloadedTensor::release() {
+  if (storage_ && !consumed_) {
+    Offloader::get().release_consumer(*storage_);
+  }
+  storage_.reset(); // may end the storage's copy: after the lock above
+}
+
 at::Tensor OffloadedTensor::reload(bool check_version) const {
-  const uint32_t now = current_version(version_counter);
+  const uint32_t now = current_version(version_counter_);
   TORCH_CHECK(
-      !check_version || now == version,
+      !check_version || now == version_,
       "one of the variables needed for gradient computation has been modified by an inplace "
       "operation: a tensor of shape ",
-      c10::IntArrayRef(geometry.sizes), " is at version ", now, "; expected version ", version,
-      " instead. (torch_sac: it was offloaded to host memory for backward, made by ", storage->op,
+      c10::IntArrayRef(geometry_.sizes), " is at version ", now, "; expected version ", version_,
+      " instead. (torch_sac: it was offloaded to host memory for backward, made by ",
+      storage_->op,
       ".) Hint: enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find "
       "the operation that failed to compute its gradient.");
-  at::Tensor t = geometry.view_of(Offloader::get().reload(*storage));
-  t.unsafeGetTensorImpl()->set_version_counter(version_counter);
+  at::Tensor t = geometry_.view_of(Offloader::get().reload(*storage_, &consumed_));
+  t.unsafeGetTensorImpl()->set_version_counter(version_counter_);
   return t;
 }
 
 int64_t OffloadedTensor::nbytes() const {
-  return storage ? storage->nbytes : 0;
+  return storage_ ? storage_->nbytes : 0;
 }
 
 OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op) {
@@ -522,12 +582,12 @@ bool active() {
 }
 
 void OffloadedTensor::prefetch() const {
-  Offloader::get().prefetch(*storage);
+  Offloader::get().prefetch(*storage_);
 }
 
 bool OffloadedTensor::is_of(const c10::StorageImpl* s) const {
   // identity is set once, at creation: no lock needed to read it.
-  return storage && storage->key == s && storage->identity->lock().get() == s;
+  return storage_ && storage_->key == s && storage_->identity->lock().get() == s;
 }
 
 OffloadOptions options() {

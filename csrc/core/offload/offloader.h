@@ -90,15 +90,20 @@ class OffloadedStorage;
 const char* why_not_offloadable(const at::Tensor& t, const OffloadOptions& options, bool must);
 
 // A tensor whose storage has a host copy: how it lies on that storage, and
-// its version when offloaded.
-struct OffloadedTensor {
-  std::shared_ptr<OffloadedStorage> storage;
-  TensorGeometry geometry;
-  c10::VariableVersion version_counter;
-  uint32_t version = 0;
+// its version when offloaded. One per saved tensor (move-only): the
+// storage's copy back stays on the device while some of them have not been
+// reloaded yet (autograd often saves one storage for two nodes).
+class OffloadedTensor {
+ public:
+  OffloadedTensor() = default;
+  OffloadedTensor(OffloadedTensor&& other) noexcept;
+  OffloadedTensor& operator=(OffloadedTensor&& other) noexcept;
+  OffloadedTensor(const OffloadedTensor&) = delete;
+  OffloadedTensor& operator=(const OffloadedTensor&) = delete;
+  ~OffloadedTensor();
 
   bool defined() const {
-    return storage != nullptr;
+    return storage_ != nullptr;
   }
   // The tensor on its device again, without autograd metadata, sharing the
   // original's version counter. Raises autograd's error if the tensor was
@@ -111,6 +116,17 @@ struct OffloadedTensor {
   int64_t nbytes() const;
   // Whether its storage is `storage` (alive).
   bool is_of(const c10::StorageImpl* storage) const;
+
+ private:
+  friend OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op);
+  friend class Offloader;
+  void release();
+
+  std::shared_ptr<OffloadedStorage> storage_;
+  TensorGeometry geometry_;
+  c10::VariableVersion version_counter_;
+  uint32_t version_ = 0;
+  mutable bool consumed_ = false; // reloaded at least once
 };
 
 // Offloads `t` (why_not_offloadable(t) must be nullptr). `state` tells

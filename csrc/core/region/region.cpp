@@ -240,7 +240,10 @@ void Region::check_must_offload(const OpFacts& facts, c10::ArrayRef<c10::IValue>
   const offload::OffloadOptions options = offload::options();
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
-      const char* why = offload::why_not_offloadable(t, options, /*must=*/true);
+      const char* why = facts.returns_alias
+          ? "it is a view of an input or an input written in place (offload the op that made "
+            "the storage)"
+          : offload::why_not_offloadable(t, options, /*must=*/true);
       TORCH_CHECK_VALUE(
           why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", facts.name,
           ", but its output of shape ", t.sizes(), " on ", t.device(),

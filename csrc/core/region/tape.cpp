@@ -181,7 +181,7 @@ void Tape::release_from(size_t needed) {
     Entry& entry = entries[EntryId::at(e - 1)];
     entry.replayable = false;
     entry.args = {};
-    entry.slots = {};
+    std::vector<ArgSlot>().swap(entry.slots);
     entry.rng.reset();
   }
   released_from_ = std::min(released_from_, needed);

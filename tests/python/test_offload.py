@@ -1,0 +1,478 @@
+"""Offloading to host memory (the OFFLOAD outcome), on the CPU stand-in.
+
+``torch_sac.offload.using(cpu_stand_in=True)`` offloads CPU tensors into a
+host pool outside the CPU allocator torch_sac counts, with the same
+bookkeeping as on CUDA (staging, dedupe by storage, prefetch in reverse
+order, version checks, the host cap); only the copies are synchronous. So
+these tests check, without a GPU: gradients bitwise equal to the
+un-checkpointed run's in every engine, offloaded bytes leaving the device's
+count, fall-backs and errors, and nothing left in the host pool afterwards.
+The streams, events and pinned memory are tested in test_cuda.py
+(``cuda`` marker) and by scripts/gpu_check.sh.
+"""
+
+import functools
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tc
+from torch.utils.checkpoint import CheckpointPolicy
+
+import torch_sac
+from helpers import assert_clean, assert_same, tanh_chain, weighted
+from models import MODEL_BUILDERS
+from torch_sac import Policy
+
+aten = torch.ops.aten
+ENGINES = ["region", "checkpoint", "dropin"]
+# Everything eligible is offloaded at once: no size threshold, nothing kept
+# on the device at the end of forward, a prefetch window larger than any
+# model here.
+STAND_IN = dict(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0, prefetch_bytes=1 << 30)
+
+
+@pytest.fixture
+def stand_in():
+    """The CPU stand-in for one test; afterwards nothing offloaded is alive
+    (the host pool holds no range: nothing leaked)."""
+    with torch_sac.offload.using(**STAND_IN) as options:
+        yield options
+    gc.collect()
+    torch_sac.offload.synchronize()
+    stats = torch_sac.offload.stats()
+    assert stats["host_in_use_bytes"] == 0, f"host ranges left in use: {stats}"
+    assert stats["prefetched_bytes"] == 0 and stats["copying_bytes"] == 0, stats
+    assert_clean()
+
+
+def run(engine, fn, *args, policy):
+    """``fn(*args)`` checkpointed by ``engine`` with ``policy``."""
+    if engine == "region":
+        with torch_sac.sac_context(policy):
+            return fn(*args)
+    if engine == "checkpoint":
+        return torch_sac.checkpoint(fn, *args, policy=policy, use_reentrant=False)
+    context_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
+    return tc.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def grads_of(fn, leaves, engine=None, policy=None, seed=0):
+    torch.manual_seed(seed)
+    out = fn() if engine is None else run(engine, fn, policy=policy)
+    return list(torch.autograd.grad(weighted(out), leaves))
+
+
+def offload_op(*ops, must=False):
+    """A torch-signature policy offloading ``ops``, recomputing the rest."""
+    listed = Policy.MUST_OFFLOAD if must else Policy.PREFER_OFFLOAD
+
+    def policy(ctx, op, *args, **kwargs):
+        return listed if op in ops else Policy.PREFER_RECOMPUTE
+
+    return policy
+
+
+# --------------------------------------------------------------------------
+# Exactness, every engine, every way of saying "offload"
+# --------------------------------------------------------------------------
+
+POLICIES = {
+    "offload_matmuls": torch_sac.policies.offload_matmuls,
+    "offload_ops_tanh": lambda: torch_sac.policies.offload_ops([aten.tanh]),
+    "callable_prefer": lambda: offload_op(aten.addmm.default, aten.tanh.default),
+    "callable_must": lambda: offload_op(aten.addmm.default, must=True),
+    "torch_enum": lambda: (
+        lambda ctx, op, *a, **k: (
+            CheckpointPolicy.MUST_CPU_OFFLOAD
+            if op is aten.tanh.default
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_tanh_chain_bitwise(stand_in, engine, name):
+    chain = tanh_chain(6)
+    want = grads_of(chain.forward, chain.leaves)
+    before = torch_sac.offload.stats()["offloaded"]
+    got = grads_of(chain.forward, chain.leaves, engine, POLICIES[name]())
+    assert_same(got, want)
+    assert torch_sac.offload.stats()["offloaded"] > before, "nothing was offloaded"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("model", ["mlp", "convbn", "gpt", "gpt_sdpa"])
+def test_models_bitwise(stand_in, engine, model):
+    """Models with in-place residual adds on offloaded outputs (GPT), BatchNorm
+    and SDPA: gradients and buffers as without checkpointing."""
+    module, make_input = MODEL_BUILDERS[model]()
+    x = make_input()
+    leaves = [*module.parameters(), x]
+    buffers = [b.clone() for b in module.buffers()]
+    want = grads_of(lambda: module(x), leaves)
+    plain_buffers = [b.clone() for b in module.buffers()]
+    for b, saved in zip(module.buffers(), buffers):
+        b.copy_(saved)
+    got = grads_of(lambda: module(x), leaves, engine, torch_sac.policies.offload_matmuls())
+    assert_same(got, want)
+    assert_same(list(module.buffers()), plain_buffers, "buffer")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_retain_graph_backward_twice(stand_in, engine):
+    """The region engine reloads again in a second backward; the drop-in
+    raises as PyTorch's SAC does."""
+    chain = tanh_chain(4)
+    out = run(engine, chain.forward, policy=torch_sac.policies.offload_matmuls())
+    loss = weighted(out)
+    first = torch.autograd.grad(loss, chain.leaves, retain_graph=True)
+    if engine == "dropin":
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            torch.autograd.grad(loss, chain.leaves)
+        return
+    second = torch.autograd.grad(loss, chain.leaves)
+    assert_same(list(second), list(first))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_several_forwards_then_one_backward(stand_in, engine):
+    chain = tanh_chain(4)
+    want = grads_of(lambda: chain.forward() + chain.forward(chain.x * 2), chain.leaves)
+    policy = torch_sac.policies.offload_matmuls()
+    a = run(engine, chain.forward, policy=policy)
+    b = run(engine, lambda: chain.forward(chain.x * 2), policy=policy)
+    got = list(torch.autograd.grad(weighted(a + b), chain.leaves))
+    assert_same(got, want)
+
+
+def test_backward_on_another_thread(stand_in):
+    from helpers import backward_on_a_thread
+
+    chain = tanh_chain(4)
+    want = grads_of(chain.forward, chain.leaves)
+    with torch_sac.sac_context(torch_sac.policies.offload_matmuls()):
+        out = chain.forward()
+    backward_on_a_thread(weighted(out))
+    got = [p.grad for p in chain.leaves]
+    assert_same(got, want)
+
+
+# --------------------------------------------------------------------------
+# Memory: offloaded bytes leave the device
+# --------------------------------------------------------------------------
+
+
+def activation_bytes(fn, ctx):
+    """Bytes the counting CPU allocator holds after forward, above before."""
+    gc.collect()
+    start = torch_sac.memory.cpu_memory_stats()["allocated"]
+    with ctx:
+        out = fn()
+    held = torch_sac.memory.cpu_memory_stats()["allocated"] - start
+    return held, out
+
+
+def test_offloaded_bytes_leave_the_device_count(stand_in):
+    """Saving tanh's outputs vs offloading them: the device holds exactly
+    the offloaded bytes less, and the host pool holds them."""
+    torch_sac.memory.install_counting_allocator()
+    chain = tanh_chain(8, width=128, batch=64)
+    saved, out_saved = activation_bytes(
+        chain.forward, torch_sac.sac_context(torch_sac.policies.save_ops([aten.tanh]))
+    )
+    del out_saved
+    host_before = torch_sac.offload.stats()["host_in_use_bytes"]
+    offloaded, out = activation_bytes(
+        chain.forward, torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh]))
+    )
+    host = torch_sac.offload.stats()["host_in_use_bytes"] - host_before
+    # The last tanh output is the region's output: alive either way, so it
+    # is not freed by offloading. Every other one is.
+    expected = 7 * chain.step_bytes
+    assert saved - offloaded == expected
+    assert host == 8 * chain.step_bytes  # the pool's ranges (512-byte aligned)
+    loss = weighted(out)
+    loss.backward()
+    del out, loss
+    gc.collect()
+    assert torch_sac.offload.stats()["host_in_use_bytes"] == host_before
+
+
+def test_keep_last_bytes_stay_on_the_device(stand_in):
+    chain = tanh_chain(8, width=128, batch=64)
+    before = torch_sac.offload.stats()
+    with torch_sac.offload.using(keep_last_bytes=3 * chain.step_bytes):
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+            out = chain.forward()
+        weighted(out).backward()
+    after = torch_sac.offload.stats()
+    assert after["kept_last"] - before["kept_last"] == 3
+    assert after["offloaded_bytes"] - before["offloaded_bytes"] == 5 * chain.step_bytes
+
+
+def test_prefetch_in_reverse_order_within_the_window(stand_in):
+    """With a window of two tensors, each reload brings the next ones back
+    ahead of their use: none is late (the first one backward needs is the
+    region's output, still alive: no copy at all)."""
+    chain = tanh_chain(8, width=128, batch=64)
+    with torch_sac.offload.using(prefetch_bytes=2 * chain.step_bytes):
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+            out = chain.forward()
+        del chain.x.grad
+        before = torch_sac.offload.stats()
+        torch_sac.offload.reset_peak_stats()
+        weighted(out).backward()
+        after = torch_sac.offload.stats()
+    assert after["late"] - before["late"] == 0
+    assert after["prefetched"] - before["prefetched"] == 7
+    assert after["reloaded"] - before["reloaded"] == 7
+    assert after["peak_prefetched_bytes"] <= 2 * chain.step_bytes
+
+
+def test_views_share_one_copy(stand_in):
+    """Autograd saves views of one offloaded storage: one copy, one range."""
+    w = torch.randn(16, 32, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def fn():
+        h = x @ w  # offloaded
+        a, b = h[:, :16], h[:, 16:]
+        return (a.sin() * b.cos()).sum()  # sin and cos save their views of h
+
+    want = torch.autograd.grad(fn(), [x, w])
+    before = torch_sac.offload.stats()
+    with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.mm])) as region:
+        loss = fn()
+    after = torch_sac.offload.stats()
+    # sin and cos save their views (packed) and their replays read them
+    # (held): four tensors, one copy.
+    assert after["offloaded"] - before["offloaded"] == 1
+    assert after["deduplicated"] - before["deduplicated"] == 3
+    assert region.stats()["packed_offloaded"] == 2
+    assert region.stats()["held_offloaded"] == 2
+    assert_same(list(torch.autograd.grad(loss, [x, w])), list(want))
+
+
+# --------------------------------------------------------------------------
+# Fall-backs, errors, nothing left behind
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_prefer_falls_back_to_save_on_cpu(engine):
+    """Without the stand-in a CPU tensor cannot be offloaded: PREFER_OFFLOAD
+    saves it (counted), gradients exact, nothing in the host pool."""
+    chain = tanh_chain(4)
+    want = grads_of(chain.forward, chain.leaves)
+    before = torch_sac.offload.stats()
+    if engine == "region":
+        torch.manual_seed(0)
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])) as region:
+            out = chain.forward()
+        got = list(torch.autograd.grad(weighted(out), chain.leaves))
+        assert region.stats()["offload_fallbacks"] > 0
+        assert region.stats()["packed_offloaded"] == 0
+    else:
+        got = grads_of(chain.forward, chain.leaves, engine, torch_sac.policies.offload_ops([aten.tanh]))
+    assert_same(got, want)
+    assert torch_sac.offload.stats()["offloaded"] == before["offloaded"]
+
+
+def test_dropin_fallbacks_counted():
+    ctx_fn = functools.partial(
+        torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.offload_ops([aten.tanh])
+    )
+    contexts = []
+
+    def recording():
+        pair = ctx_fn()
+        contexts.append(pair[0])
+        return pair
+
+    chain = tanh_chain(3)
+    out = tc.checkpoint(chain.forward, use_reentrant=False, context_fn=recording)
+    weighted(out).backward()
+    assert contexts[0].stats()["offload_fallbacks"] == 3
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_must_offload_a_cpu_tensor_raises(engine):
+    chain = tanh_chain(3)
+    with pytest.raises(ValueError, match=r"MUST_OFFLOAD for aten::tanh.*CPU tensor"):
+        run(engine, chain.forward, policy=offload_op(aten.tanh.default, must=True))
+    assert_clean()
+    # The interceptor is off and the next region works.
+    got = grads_of(chain.forward, chain.leaves, engine, torch_sac.policies.recompute_all())
+    assert_same(got, grads_of(chain.forward, chain.leaves))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_must_offload_a_view_raises(stand_in, engine):
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(ValueError, match=r"MUST_OFFLOAD for aten::t.*view"):
+        run(engine, lambda: (x.t() * 2).sum(), policy=offload_op(aten.t.default, must=True))
+    assert_clean()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_in_place_write_after_offload_raises(stand_in, engine):
+    """A saved tensor modified after it was offloaded: autograd's error, as
+    for a saved tensor (the host copy is never silently stale)."""
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn():
+        return (x @ w).tanh()  # tanh saves its output
+
+    out = run(engine, fn, policy=torch_sac.policies.offload_ops([aten.tanh]))
+    with torch.no_grad():
+        out.mul_(2)
+    # The drop-in's own check comes first there (as PyTorch's SAC raises).
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|mutated in place"):
+        out.sum().backward()
+
+
+def test_write_inside_the_region_after_offload_keeps_exact(stand_in):
+    """A recorded in-place write to an offloaded storage that a replay reads:
+    the host copy holds the value the reader saw."""
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn():
+        h = x @ w  # offloaded, read by mul (recomputed, saves nothing) ...
+        s = h * 2
+        h.mul_(3)  # ... then written in place (cos saves the new value)
+        return (s.exp() + h.cos()).sum()
+
+    want = torch.autograd.grad(fn(), [x, w])
+    with torch_sac.sac_context(offload_op(aten.mm.default)):
+        loss = fn()
+    assert_same(list(torch.autograd.grad(loss, [x, w])), list(want))
+
+
+def test_host_cap_raises_and_leaks_nothing(stand_in):
+    chain = tanh_chain(8, width=128, batch=64)
+    with torch_sac.offload.using(host_limit_bytes=3 * chain.step_bytes):
+        with pytest.raises(torch.OutOfMemoryError, match="past its cap"):
+            with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+                chain.forward()
+    assert_clean()
+    gc.collect()
+    assert torch_sac.offload.stats()["host_in_use_bytes"] == 0
+
+
+def test_options_checked():
+    with pytest.raises(TypeError, match="unknown option 'host_limit'"):
+        torch_sac.offload.set_options(host_limit=1)
+    with pytest.raises(TypeError, match="min_bytes must be int"):
+        torch_sac.offload.set_options(min_bytes=1.5)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        torch_sac.offload.set_options(prefetch_bytes=-1)
+    with pytest.raises(ValueError, match="host_limit_bytes must be positive or -1"):
+        torch_sac.offload.set_options(host_limit_bytes=0)
+    before = torch_sac.offload.options()
+    with torch_sac.offload.using(min_bytes=7) as inside:
+        assert inside.min_bytes == 7
+    assert torch_sac.offload.options() == before
+
+
+# --------------------------------------------------------------------------
+# Policies and conversions
+# --------------------------------------------------------------------------
+
+
+def test_policy_values_match_torch():
+    assert Policy.MUST_OFFLOAD.value == CheckpointPolicy.MUST_CPU_OFFLOAD.value
+    assert Policy.PREFER_OFFLOAD.value == CheckpointPolicy.PREFER_CPU_OFFLOAD.value
+
+
+def test_to_torch_maps_offload():
+    fn = torch_sac.policies.offload_matmuls().to_torch()
+
+    class Ctx:
+        is_recompute = False
+
+    x = torch.randn(2, 2)
+    assert fn(Ctx(), aten.mm.default, x, x) is CheckpointPolicy.PREFER_CPU_OFFLOAD
+    assert fn(Ctx(), aten.sin.default, x) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_describe():
+    assert repr(torch_sac.policies.offload_matmuls()) == "offload_matmuls()"
+    assert "offload_ops(" in repr(torch_sac.policies.offload_ops([aten.mm]))
+
+
+@pytest.mark.parametrize(
+    "outer, inner, want",
+    [
+        (Policy.MUST_OFFLOAD, Policy.PREFER_SAVE, "offloaded"),
+        (Policy.PREFER_OFFLOAD, Policy.PREFER_SAVE, "saved"),
+        (Policy.PREFER_SAVE, Policy.PREFER_OFFLOAD, "offloaded"),
+        (Policy.MUST_SAVE, Policy.PREFER_OFFLOAD, "saved"),
+    ],
+)
+def test_nested_regions_combine(stand_in, outer, inner, want):
+    def constant(value):
+        return lambda ctx, op, *a, **k: value if op is aten.tanh.default else Policy.PREFER_RECOMPUTE
+
+    x = torch.randn(4, 4, requires_grad=True)
+    (want_grad,) = torch.autograd.grad(x.tanh().sum(), [x])
+    with torch_sac.sac_context(constant(outer)) as region:
+        with torch_sac.sac_context(constant(inner)):
+            y = x.tanh()
+    row = [r for r in region.op_details() if r["op"] == "aten::tanh.default"][0]
+    assert (row["offloaded"], row["saved"]) == ((1, 0) if want == "offloaded" else (0, 1))
+    y.sum().backward()
+    assert torch.equal(x.grad, want_grad)
+
+
+def test_nested_must_conflict_raises(stand_in):
+    x = torch.randn(4, 4, requires_grad=True)
+    must = lambda value: lambda ctx, op, *a, **k: value  # noqa: E731
+    with pytest.raises(RuntimeError, match="MUST_OFFLOAD.*MUST_SAVE|MUST_SAVE.*MUST_OFFLOAD"):
+        with torch_sac.sac_context(must(Policy.MUST_OFFLOAD)):
+            with torch_sac.sac_context(must(Policy.MUST_SAVE)):
+                x.tanh()
+    assert_clean()
+
+
+def test_op_details_and_stats_count_offloads(stand_in):
+    chain = tanh_chain(3)
+    with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])) as region:
+        out = chain.forward()
+    row = [r for r in region.op_details() if r["op"] == "aten::tanh.default"][0]
+    assert row["offloaded"] == 3 and row["saved"] == 0
+    assert row["offloaded_bytes"] == 3 * chain.step_bytes
+    stats = region.stats()
+    assert stats["offloaded_ops"] == 3 and stats["offloaded_bytes"] == 3 * chain.step_bytes
+    weighted(out).backward()
+
+
+def test_linear_module_model(stand_in):
+    """nn.Sequential of Linear/GELU/LayerNorm (Hugging Face-like MLP), with
+    torch_sac.checkpoint per block."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        for _ in range(3)
+    )
+    x = torch.randn(4, 10, 32, requires_grad=True)
+    leaves = [*blocks.parameters(), x]
+
+    def fwd(ckpt):
+        h = x
+        for b in blocks:
+            h = h + (ckpt(b, h) if ckpt else b(h))
+        return h
+
+    want = grads_of(lambda: fwd(None), leaves)
+    for engine in ENGINES:
+        got = grads_of(
+            lambda: fwd(lambda b, h: run(engine, b, h, policy=torch_sac.policies.offload_matmuls())),
+            leaves,
+        )
+        assert_same(got, want, engine)
