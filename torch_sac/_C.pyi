@@ -72,6 +72,10 @@ def every_nth(ops: Sequence[tuple[str, str | None]], n: int, /) -> OpPolicy: ...
 def save_all() -> OpPolicy: ...
 def recompute_all() -> OpPolicy: ...
 def save_matmuls() -> OpPolicy: ...
+def offload_ops(ops: Sequence[tuple[str, str | None]], /) -> OpPolicy:
+    """PREFER_OFFLOAD for the listed ops, PREFER_RECOMPUTE for the rest."""
+
+def offload_matmuls() -> OpPolicy: ...
 def save_by_name(names: Sequence[str]) -> OpPolicy: ...
 def matmul_op_names() -> list[str]:
     """The ops save_matmuls saves, as qualified names."""
@@ -237,6 +241,24 @@ def pop_name(id: int, depth: int) -> None:
 
 def active_names() -> list[str]:
     """The scope names open on this thread, outermost first."""
+
+# --- Offloading to host memory (torch_sac.offload) -------------------------------
+
+def offload_options() -> dict[str, int | bool]: ...
+def set_offload_options(
+    host_limit_bytes: int,
+    min_bytes: int,
+    prefetch_bytes: int,
+    keep_last_bytes: int,
+    cpu_stand_in: bool,
+) -> None:
+    """Raises ValueError on a negative size (host_limit_bytes may be -1)."""
+
+def offload_stats() -> dict[str, int]: ...
+def offload_host_in_use_bytes() -> int: ...
+def offload_reset_peaks() -> None: ...
+def offload_synchronize(trim: bool) -> None:
+    """Waits for every copy still running (releases the GIL)."""
 
 # --- Memory measurement (torch_sac.memory) ---------------------------------------
 

@@ -51,8 +51,12 @@ def format_table(data, max_rows, sort_by):
         # Multiple recomputation (a replay budget or schedule): the most
         # times one call was replayed, per op.
         most = any(r.get("most_replays", 0) > 1 for r in data["ops"])
+        offloads = any(r.get("offloaded") for r in data["ops"])
         header = ["op", "saved", "dropped", "kept", "dropped", "replayed"]
         units = ["", "calls", "calls", "bytes", "bytes", ""]
+        if offloads:
+            header[3:3] = ["offloaded", "offloaded"]
+            units[3:3] = ["calls", "bytes"]
         if most:
             header.append("most")
             units.append("per call")
@@ -72,6 +76,8 @@ def format_table(data, max_rows, sort_by):
                 format_bytes(r["dropped_bytes"]),
                 str(r["replayed"]),
             ]
+            if offloads:
+                cells[3:3] = [str(r["offloaded"]), format_bytes(r["offloaded_bytes"])]
             if most:
                 cells.append(str(r["most_replays"]) if "most_replays" in r else "")
             cells.append(_ms(r["replay_ns"]))
@@ -87,6 +93,8 @@ def format_table(data, max_rows, sort_by):
             "dropped": t["dropped_ops"],
             "saved_bytes": t["saved_bytes"],
             "dropped_bytes": t["dropped_bytes"],
+            "offloaded": t.get("offloaded_ops", 0),
+            "offloaded_bytes": t.get("offloaded_bytes", 0),
             "replayed": t["replayed_ops"],
             "replay_ns": t["replay_ns"],
             "replay_flops": t["replay_flops"],
@@ -121,12 +129,28 @@ def format_table(data, max_rows, sort_by):
             f"regions: {t['policy_calls']} policy calls; kept {format_bytes(t['saved_bytes'])} "
             f"({t['saved_ops']} ops), dropped {format_bytes(t['dropped_bytes'])} ({t['dropped_ops']} ops)"
             + (
+                f", offloaded {format_bytes(t['offloaded_bytes'])} ({t['offloaded_ops']} ops)"
+                if t.get("offloaded_ops")
+                else ""
+            )
+            + (
                 f"; autograd saved {t['packed_kept']} tensors as is and {t['packed_dropped']} as "
                 "references"
                 if by_engine[REGION]
                 else ""
             )
             + (f"; held copies {format_bytes(t['held_bytes'])}" if t["held_bytes"] else "")
+        )
+    off = t.get("offload")
+    if off:
+        lines.append(
+            f"offload: {format_bytes(off['offloaded_bytes'])} copied to host memory, "
+            f"{format_bytes(off['reloaded_bytes'])} back ({off['prefetched']} ahead of use, "
+            f"{off['late']} late: {format_bytes(off['late_bytes'])}), "
+            f"{format_bytes(off['kept_last_bytes'])} kept on the device (used first in backward); "
+            f"host pool peak {format_bytes(off['host_peak_bytes'])}; device memory held by copies: "
+            f"{format_bytes(off['peak_copying_bytes'])} to host, "
+            f"{format_bytes(off['peak_prefetched_bytes'])} prefetched (peaks)"
         )
     lines.append(
         f"time:    step {_ms(t['step_ns'])} (forward {_ms(t['forward_ns'])}, backward "
@@ -185,6 +209,17 @@ def plot_timelines(ax, curves, highlight):
         t_ms = [t / 1e6 for t in tl["t_ns"]]
         width = 2.0 if name == highlight or name == "none" else 1.3
         (line,) = ax.plot(t_ms, _mib(tl["bytes"]), lw=width, label=name, drawstyle="steps-post")
+        if any(tl.get("host_bytes") or ()):
+            # Offloaded activations: host memory, beside the device's.
+            ax.plot(
+                t_ms,
+                _mib(tl["host_bytes"]),
+                lw=1,
+                ls="--",
+                color=line.get_color(),
+                label=f"{name}: host (offloaded)",
+                drawstyle="steps-post",
+            )
         if peaks and data["timeline_sampling"] == "op":
             ax.plot(t_ms, _mib(tl["peak_bytes"]), lw=0.6, color=line.get_color(), alpha=0.45)
         fe = data["forward_end"]

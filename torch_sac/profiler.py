@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _C, memory
+from . import _C, memory, offload
 from ._adapter import adapter
 from ._engines import DROPIN, REGION
 from ._op_profile import format_bytes
@@ -44,7 +44,29 @@ _OLD_FORMATS = {"torch_sac.profile/1": {"sac_context": REGION}}
 
 # Per-op counters read from the regions (sac_context.op_details(), and the
 # drop-in forward context's op_details(), which has the same keys).
-_OP_FIELDS = ("saved", "dropped", "saved_bytes", "dropped_bytes", "replayed", "replay_ns")
+_OP_FIELDS = (
+    "saved",
+    "dropped",
+    "saved_bytes",
+    "dropped_bytes",
+    "replayed",
+    "replay_ns",
+    "offloaded",
+    "offloaded_bytes",
+)
+# The offload runtime's counters a profile reports (torch_sac.offload.stats()),
+# as what changed during the profile; peaks since its start.
+_OFFLOAD_DELTAS = (
+    "offloaded_bytes",
+    "reloaded_bytes",
+    "prefetched",
+    "late",
+    "late_bytes",
+    "kept_last_bytes",
+    "d2h_ns",
+    "h2d_ns",
+)
+_OFFLOAD_PEAKS = ("host_peak_bytes", "peak_copying_bytes", "peak_prefetched_bytes")
 # Region counters summed into the totals: every counter of the region
 # engine's stats (listed once, in csrc/core/stats.h, read here through
 # _C.region_stat_fields()) except the levels, peaks and per-pass counts,
@@ -63,6 +85,8 @@ _DROPIN_SUMS = {
     "dropped_bytes": "dropped_bytes",
     "replayed_ops": "replayed",
     "replay_ns": "replay_ns",
+    "offloaded_ops": "offloaded",
+    "offloaded_bytes": "offloaded_bytes",
 }
 
 
@@ -77,6 +101,7 @@ def _dropin_stats(stats, details):
     out["policy_calls"] = stats["policy_calls"]
     for field, key in _DROPIN_SUMS.items():
         out[field] = sum(d[key] for d in details)
+    out["offload_fallbacks"] = stats["offload_fallbacks"]
     return out
 
 
@@ -288,6 +313,9 @@ class profile:
         self._whole.__enter__()
         self._fwd.__enter__()
         self._start = self._whole.start
+        self._offload_start = offload.stats()
+        offload.reset_peak_stats()
+        self._host = []  # host memory of offloaded activations, per sample
         self._t0 = time.perf_counter_ns()
         self._t_forward_end = None
         self._lock = threading.Lock()
@@ -379,6 +407,7 @@ class profile:
             self._t.append(t - self._t0)
             self._bytes.append(allocated - self._start)
             self._peaks.append(peak - self._start)
+            self._host.append(_C.offload_host_in_use_bytes())
             self._labels.append(label)
 
     def _begin_backward_once(self, how):
@@ -594,6 +623,11 @@ class profile:
                 "backward_ns": (t_end - self._t_forward_end) if fwd_end else None,
             }
         )
+        now = offload.stats()
+        moved = {k: now[k] - self._offload_start[k] for k in _OFFLOAD_DELTAS}
+        totals["offload"] = (
+            {**moved, **{k: now[k] for k in _OFFLOAD_PEAKS}} if moved["offloaded_bytes"] else None
+        )
         if self._count_flops:
             totals.update(
                 {
@@ -639,6 +673,7 @@ class profile:
                 "t_ns": list(self._t),
                 "bytes": list(self._bytes),
                 "peak_bytes": list(self._peaks),
+                "host_bytes": list(self._host),
                 "label": labels,
             },
             "events": [
@@ -849,6 +884,14 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` in the current :data:`FORMAT`: an older profile's engine
     names mapped to today's (a copy; a current one is returned as is)."""
     renames = _OLD_FORMATS.get(data.get("format"))
+    if renames is None and all("offloaded" in r for r in data.get("ops", [])):
+        return data
+    # Written before offloading existed: nothing was offloaded.
+    data = {
+        **data,
+        "ops": [{"offloaded": 0, "offloaded_bytes": 0, **r} for r in data.get("ops", [])],
+        "totals": {"offload": None, **data.get("totals", {})},
+    }
     if renames is None:
         return data
     regions = [

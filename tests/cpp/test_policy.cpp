@@ -11,14 +11,16 @@
 namespace torch_sac {
 namespace {
 
-constexpr Policy kAll[] = {
-    Policy::MustSave, Policy::PreferSave, Policy::MustRecompute, Policy::PreferRecompute};
+constexpr Policy kAll[] = {Policy::MustSave,        Policy::PreferSave,  Policy::MustRecompute,
+                           Policy::PreferRecompute, Policy::MustOffload, Policy::PreferOffload};
 
 TEST(Policy, ValuesMatchTorchCheckpointPolicy) {
   EXPECT_EQ(static_cast<int>(Policy::MustSave), 0);
   EXPECT_EQ(static_cast<int>(Policy::PreferSave), 1);
   EXPECT_EQ(static_cast<int>(Policy::MustRecompute), 2);
   EXPECT_EQ(static_cast<int>(Policy::PreferRecompute), 3);
+  EXPECT_EQ(static_cast<int>(Policy::MustOffload), 4);   // MUST_CPU_OFFLOAD
+  EXPECT_EQ(static_cast<int>(Policy::PreferOffload), 5); // PREFER_CPU_OFFLOAD
 }
 
 TEST(Policy, BoolConversionFollowsTorch) {
@@ -35,6 +37,15 @@ TEST(Policy, Predicates) {
   EXPECT_TRUE(is_must(Policy::MustRecompute));
   EXPECT_FALSE(is_must(Policy::PreferSave));
   EXPECT_EQ(policy_name(Policy::PreferRecompute), "PREFER_RECOMPUTE");
+  EXPECT_TRUE(is_offload(Policy::MustOffload));
+  EXPECT_TRUE(is_offload(Policy::PreferOffload));
+  EXPECT_FALSE(is_save(Policy::PreferOffload));
+  EXPECT_TRUE(is_kept(Policy::PreferOffload));
+  EXPECT_TRUE(is_kept(Policy::MustSave));
+  EXPECT_FALSE(is_kept(Policy::PreferRecompute));
+  EXPECT_TRUE(is_must(Policy::MustOffload));
+  EXPECT_FALSE(is_must(Policy::PreferOffload));
+  EXPECT_EQ(policy_name(Policy::MustOffload), "MUST_OFFLOAD");
 }
 
 TEST(Policy, MustBeatsPrefer) {
@@ -53,7 +64,7 @@ TEST(Policy, InnermostPreferWins) {
 }
 
 TEST(Policy, EqualMustsAgree) {
-  for (Policy p : {Policy::MustSave, Policy::MustRecompute}) {
+  for (Policy p : {Policy::MustSave, Policy::MustRecompute, Policy::MustOffload}) {
     EXPECT_EQ(combine_policies(p, p, "op"), p);
   }
 }

@@ -277,7 +277,9 @@ def test_prefer_falls_back_to_save_on_cpu(engine):
         assert region.stats()["offload_fallbacks"] > 0
         assert region.stats()["packed_offloaded"] == 0
     else:
-        got = grads_of(chain.forward, chain.leaves, engine, torch_sac.policies.offload_ops([aten.tanh]))
+        got = grads_of(
+            chain.forward, chain.leaves, engine, torch_sac.policies.offload_ops([aten.tanh])
+        )
     assert_same(got, want)
     assert torch_sac.offload.stats()["offloaded"] == before["offloaded"]
 
@@ -417,7 +419,9 @@ def test_describe():
 )
 def test_nested_regions_combine(stand_in, outer, inner, want):
     def constant(value):
-        return lambda ctx, op, *a, **k: value if op is aten.tanh.default else Policy.PREFER_RECOMPUTE
+        return (
+            lambda ctx, op, *a, **k: value if op is aten.tanh.default else Policy.PREFER_RECOMPUTE
+        )
 
     x = torch.randn(4, 4, requires_grad=True)
     (want_grad,) = torch.autograd.grad(x.tanh().sum(), [x])
@@ -472,7 +476,9 @@ def test_linear_module_model(stand_in):
     want = grads_of(lambda: fwd(None), leaves)
     for engine in ENGINES:
         got = grads_of(
-            lambda: fwd(lambda b, h: run(engine, b, h, policy=torch_sac.policies.offload_matmuls())),
+            lambda: fwd(
+                lambda b, h: run(engine, b, h, policy=torch_sac.policies.offload_matmuls())
+            ),
             leaves,
         )
         assert_same(got, want, engine)

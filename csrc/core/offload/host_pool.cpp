@@ -85,8 +85,8 @@ HostRange HostPool::allocate(int64_t nbytes, int64_t limit_bytes) {
   const auto at_cap = [&](int64_t bytes) {
     TORCH_CHECK_WITH(
         OutOfMemoryError, false, "torch_sac: offloading a tensor of ", mib(nbytes),
-        " would take the host memory for offloaded activations past its cap of ",
-        mib(limit_bytes), " (", mib(stats_.in_use_bytes), " in use, ", mib(bytes),
+        " would take the host memory for offloaded activations past its cap of ", mib(limit_bytes),
+        " (", mib(stats_.in_use_bytes), " in use, ", mib(bytes),
         " needed). Raise the cap with torch_sac.offload.set_options(host_limit_bytes=...), "
         "offload fewer ops, or recompute some of them.");
   };
@@ -116,8 +116,9 @@ HostRange HostPool::allocate(int64_t nbytes, int64_t limit_bytes) {
     chunk.nbytes = chunk_bytes;
     chunk.free.emplace(0, chunk_bytes);
     // Reuse the slot of a trimmed chunk, so ranges' chunk indices stay valid.
-    auto slot = std::find_if(
-        chunks_.begin(), chunks_.end(), [](const Chunk& c) { return !c.memory.defined(); });
+    auto slot = std::find_if(chunks_.begin(), chunks_.end(), [](const Chunk& c) {
+      return !c.memory.defined();
+    });
     if (slot == chunks_.end()) {
       chunks_.push_back(std::move(chunk));
     } else {

@@ -554,8 +554,7 @@ at::Tensor OffloadedTensor::reload(bool check_version) const {
       "one of the variables needed for gradient computation has been modified by an inplace "
       "operation: a tensor of shape ",
       c10::IntArrayRef(geometry_.sizes), " is at version ", now, "; expected version ", version_,
-      " instead. (torch_sac: it was offloaded to host memory for backward, made by ",
-      storage_->op,
+      " instead. (torch_sac: it was offloaded to host memory for backward, made by ", storage_->op,
       ".) Hint: enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find "
       "the operation that failed to compute its gradient.");
   at::Tensor t = geometry_.view_of(Offloader::get().reload(*storage_, &consumed_));
