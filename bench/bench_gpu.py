@@ -25,6 +25,11 @@ plans, which are one region around the whole step):
 * torch_sac drop-in: ``torch.utils.checkpoint`` with
   ``context_fn=partial(torch_sac.create_selective_checkpoint_contexts, save_matmuls())``;
 * ``torch_sac.apply_sac(model, save_matmuls())``;
+* offloading, per block: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
+  a torchtune-style offload of everything saved (bench/offload_reference.py:
+  saved-tensor hooks, pinned memory, a side stream, one prefetch); torch_sac
+  ``offload_matmuls()`` (matmul outputs to host memory, the rest recomputed)
+  in a region and in the drop-in;
 * peak plans ``torch_sac.policies.plan_peak(step, peak_bytes=P)`` at the
   step peak measured for ``torch.utils.checkpoint`` per block, and at 0.5x,
   0.35x and 0.25x of no checkpointing's step peak (above the memory
@@ -244,6 +249,7 @@ class Row:
         self.grads = "-"
         self.grad_err = None
         self.idle = None
+        self.offload = None  # torch_sac.offload.stats() moved by the last measured step
 
 
 def make_rows():
@@ -291,6 +297,41 @@ def make_rows():
         handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
         return handle.remove
 
+    def save_on_cpu(model, layers):
+        import torch
+
+        def make(f):
+            def forward(*a, **k):
+                with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                    return f(*a, **k)
+
+            return forward
+
+        return wrap_layers(layers, make)
+
+    def torchtune_style(model, layers):
+        from offload_reference import OffloadEverything
+
+        hooks = OffloadEverything()
+
+        def make(f):
+            def forward(*a, **k):
+                with hooks:
+                    return f(*a, **k)
+
+            return forward
+
+        return wrap_layers(layers, make)
+
+    def dropin_offload(model, layers):
+        ctx = functools.partial(
+            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.offload_matmuls()
+        )
+        return wrap_layers(
+            layers,
+            lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
+        )
+
     return [
         Row("no checkpointing"),
         Row("torch.utils.checkpoint per block", torch_ckpt),
@@ -299,6 +340,10 @@ def make_rows():
         Row("torch_sac region, recompute_all", region(torch_sac.policies.recompute_all)),
         Row("drop-in (checkpoint + torch_sac ctx), save_matmuls", dropin),
         Row("apply_sac, save_matmuls", apply_sac),
+        Row("save_on_cpu(pin_memory) per block", save_on_cpu),
+        Row("torchtune-style offload per block (reference)", torchtune_style),
+        Row("torch_sac region, offload_matmuls", region(torch_sac.policies.offload_matmuls)),
+        Row("drop-in, offload_matmuls", dropin_offload),
         Row("peak plan at per-block checkpoint's peak", plan_fraction=PER_BLOCK),
         Row("peak plan 0.5x no-ckpt peak", plan_fraction=0.5),
         Row("peak plan 0.35x no-ckpt peak", plan_fraction=0.35),
@@ -416,12 +461,23 @@ class Bench:
                     torch.cuda.Event(enable_timing=True),
                 )
                 start.record()
+            import torch_sac
+
+            torch_sac.offload.reset_peak_stats()
+            before = torch_sac.offload.stats()
             t0 = time.perf_counter()
             self.step(row)
             if dev.cuda:
                 end.record()
             dev.sync()
             wall = (time.perf_counter() - t0) * 1e3
+            after = torch_sac.offload.stats()
+            if after["offloaded_bytes"] > before["offloaded_bytes"]:
+                row.offload = {
+                    k: after[k] - before[k]
+                    for k in ("offloaded_bytes", "reloaded_bytes", "late", "late_bytes")
+                }
+                row.offload["host_peak_bytes"] = after["host_peak_bytes"]
         row.times.append(start.elapsed_time(end) if dev.cuda else wall)
         row.walls.append(wall)
         row.peaks.append(dev.peak())
@@ -730,6 +786,14 @@ def table(header, rows, args):
             )
             idle = f"{100 * r.idle:.0f}%" if r.idle is not None else "n/a"
             note = r.note
+            if r.offload is not None:
+                o = r.offload
+                note = (
+                    f"offloaded {fmt_bytes(o['offloaded_bytes'])}, back {fmt_bytes(o['reloaded_bytes'])}, "
+                    f"{o['late']} late ({fmt_bytes(o['late_bytes'])}), host pool peak "
+                    f"{fmt_bytes(o['host_peak_bytes'])}" + ("; " + note if note else "")
+                )
+                rec.update(offload=o)
             if r.plan is not None:
                 # A plan's target bounds the step's peak above what was
                 # allocated before it (parameters, optimizer state), as the
@@ -751,6 +815,31 @@ def table(header, rows, args):
     return "\n".join(md), records
 
 
+def host_bandwidth(dev, nbytes=256 << 20, reps=5):
+    """Measured device-to-host and host-to-device bandwidth (GB/s, median of
+    ``reps`` copies of ``nbytes`` between the device and pinned memory), the
+    figure offloading lives by: it is far below the link's spec when ranks
+    share the host. None on the CPU."""
+    import torch
+
+    if not dev.cuda:
+        return None
+    d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("d2h", h, d), ("h2d", d, h)):
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name + "_gb_s"] = round(nbytes / statistics.median(times) / 1e9, 1)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -766,6 +855,10 @@ def main(argv=None):
         # bf16 matmuls do not use TF32; fp32 parts (the loss) keep full precision.
         torch.backends.cuda.matmul.allow_tf32 = False
     dev = Device(args.device)
+    if not dev.cuda:
+        # The offload rows run their bookkeeping on the CPU stand-in: a check
+        # of the code, not of the copies (torch_sac.offload).
+        torch_sac.offload.set_options(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0)
     specs = model_specs(args)
     if args.models:
         wanted = args.models.split(",")
@@ -779,6 +872,7 @@ def main(argv=None):
         python=platform.python_version(),
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         args=vars(args),
+        host_bandwidth=host_bandwidth(dev),
     )
     log(
         f"device: {info['device']}; torch {info['torch']} (CUDA {info['cuda']}); transformers "
@@ -791,6 +885,9 @@ def main(argv=None):
         "events, median over interleaved rounds; GPU idle: 1 - GPU-busy time of one profiled step "
         "(torch.profiler CUDA activity) / median step time; grads vs no checkpointing: bitwise, or "
         f"max |diff| / max |ref| per tensor, ok if <= {args.tol:g} (bf16).\n",
+        f"Host link measured (pinned, 256 MiB copies): {info['host_bandwidth']}; offload rows' "
+        "notes: bytes copied each way in one step, reloads the consumer waited for (late), and "
+        "the host pool's peak.\n",
     ]
     results = dict(info=info, models=[])
     deadline_s = args.deadline if args.deadline is not None else (80.0 if args.quick else 190.0)

@@ -66,6 +66,12 @@ def test_bench_gpu_runs_tiny_on_the_cpu():
     )
     assert "peak plan at per-block checkpoint's peak" in out
     assert "DIFF" not in out.split("| row |")[-1], out[-3000:]
+    # The offload rows ran their bookkeeping on the CPU stand-in.
+    (row,) = [
+        line for line in out.splitlines() if line.startswith("| torch_sac region, offload_matmuls")
+    ]
+    assert "offloaded" in row and "bitwise" in row, row
+    assert "| torchtune-style offload per block (reference) |" in out
 
 
 # The benches run a worker per adapter themselves: once is enough.

@@ -79,6 +79,7 @@ one pattern with an ``assume`` naming the test.
 import collections
 import contextlib
 import functools
+import gc
 import os
 import re
 
@@ -783,6 +784,10 @@ class BitsPolicy:
             if flavour == "torch_sac"
             else (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE)
         )
+        # "offload": kept ops are offloaded instead (torch's enum, which
+        # PyTorch's SAC, the drop-in's control, recomputes), run on the CPU
+        # stand-in (see test_fuzz_engine_matches_plain_autograd).
+        self.offload = CheckpointPolicy.PREFER_CPU_OFFLOAD if flavour == "offload" else None
         self.calls = 0
         self.recompute_pass = None
         self.recompute_calls = 0
@@ -795,7 +800,7 @@ class BitsPolicy:
                 self.recompute_pass, self.recompute_calls = task, 0
             i = self.recompute_calls
             self.recompute_calls += 1
-            return self.save if i < len(self.bits) and self.bits[i] else self.recompute
+            return self.decision(i) if i < len(self.bits) and self.bits[i] else self.recompute
         i = self.calls
         self.calls += 1
         if i < len(self.bits) and self.bits[i]:
@@ -803,8 +808,11 @@ class BitsPolicy:
             for t in out if isinstance(out, (list, tuple)) else [out]:
                 if isinstance(t, torch.Tensor):
                     self.saved_storages.add(t.untyped_storage().data_ptr())
-            return self.save
+            return self.decision(i)
         return self.recompute
+
+    def decision(self, i):
+        return self.save if self.offload is None else self.offload
 
 
 class PolicySpec:
@@ -829,7 +837,7 @@ def policy_specs(draw):
     if kind != "bits":
         return PolicySpec(kind)
     bits = draw(st.lists(st.booleans(), max_size=80))
-    flavour = draw(st.sampled_from(["torch_sac", "torch"]))
+    flavour = draw(st.sampled_from(["torch_sac", "torch", "offload"]))
     return PolicySpec(kind, bits, flavour)
 
 
@@ -1159,18 +1167,34 @@ def test_fuzz_engine_matches_plain_autograd(engine, prog, spec, layout, twice, r
         assume(not prog.uses_explicit_generator)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    offloading = (
+        torch_sac.offload.using(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0)
+        if spec.flavour == "offload"
+        else contextlib.nullcontext()
+    )
+    if spec.flavour == "offload":
+        gc.collect()  # what an earlier example left (a rejected one's frames)
+    offloaded_before = torch_sac.offload.stats()["offloaded"]
+    host_before = torch_sac.offload.stats()["host_in_use_bytes"]
     try:
-        check_engine(
-            prog,
-            spec,
-            engine,
-            layout,
-            twice,
-            replay_budget if engine in ("region", "checkpoint") else None,
-        )
+        with offloading:
+            check_engine(
+                prog,
+                spec,
+                engine,
+                layout,
+                twice,
+                replay_budget if engine in ("region", "checkpoint") else None,
+            )
     finally:
         torch.set_num_threads(before)
     interceptor_clean()
+    if spec.flavour == "offload":
+        moved = torch_sac.offload.stats()["offloaded"] - offloaded_before
+        event(f"{engine}: offload policy, {'some' if moved else 'no'} storages offloaded")
+        gc.collect()
+        host_after = torch_sac.offload.stats()["host_in_use_bytes"]
+        assert host_after <= host_before, f"offloaded copies leaked: {host_before} -> {host_after}"
 
 
 # --------------------------------------------------------------------------

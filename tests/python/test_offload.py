@@ -482,3 +482,49 @@ def test_linear_module_model(stand_in):
             leaves,
         )
         assert_same(got, want, engine)
+
+
+# --------------------------------------------------------------------------
+# Seen: the profile
+# --------------------------------------------------------------------------
+
+
+def test_profile_reports_offloads(stand_in, tmp_path):
+    chain = tanh_chain(6, width=128, batch=64)
+    with torch_sac.profile() as prof:
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+            out = chain.forward()
+        weighted(out).backward()
+        del out
+    data = prof.to_dict()
+    (row,) = [r for r in data["ops"] if r["op"] == "aten::tanh.default"]
+    assert row["offloaded"] == 6 and row["offloaded_bytes"] == 6 * chain.step_bytes
+    off = data["totals"]["offload"]
+    assert off["offloaded_bytes"] == 6 * chain.step_bytes  # keep_last_bytes=0
+    assert off["host_peak_bytes"] >= 5 * chain.step_bytes
+    # Host memory on the timeline: up in forward, back to 0 by the end.
+    host = data["timeline"]["host_bytes"]
+    assert max(host) >= 5 * chain.step_bytes and host[-1] == 0
+    table = prof.table()
+    assert "offload:" in table and "offloaded" in table.splitlines()[1]
+    # A profile read back, and one written before offloading existed.
+    assert "offload:" in torch_sac.profile.from_dict(data).table()
+    old = {
+        **data,
+        "ops": [{k: v for k, v in r.items() if not k.startswith("offloaded")} for r in data["ops"]],
+    }
+    old["totals"] = {k: v for k, v in data["totals"].items() if k != "offload"}
+    assert "offload:" not in torch_sac.profile.from_dict(old).table()
+    pytest.importorskip("matplotlib")
+    prof.plot(str(tmp_path / "offload.png"))
+    assert (tmp_path / "offload.png").stat().st_size > 0
+
+
+def test_profile_without_offload_has_no_offload_line():
+    chain = tanh_chain(3)
+    with torch_sac.profile() as prof:
+        with torch_sac.sac_context(torch_sac.policies.save_matmuls()):
+            out = chain.forward()
+        weighted(out).backward()
+    assert prof.to_dict()["totals"]["offload"] is None
+    assert "offload:" not in prof.table()
