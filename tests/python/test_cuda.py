@@ -84,6 +84,8 @@ POLICIES = {
     "save_matmuls": torch_sac.policies.save_matmuls,
     "recompute_all": torch_sac.policies.recompute_all,
 }
+# Not in POLICIES (the matrix above): the offload tests' own (section 9).
+HF_POLICIES = {**POLICIES, "offload_matmuls": torch_sac.policies.offload_matmuls}
 
 
 # --------------------------------------------------------------------------
@@ -622,7 +624,7 @@ def check_hf(build, engine, policy_name, label):
     with deterministic_algorithms() as nondeterministic:
         ref = hf_step(build())
         model = build()
-        handle = torch_sac.apply_sac(model, POLICIES[policy_name](), engine=engine)
+        handle = torch_sac.apply_sac(model, HF_POLICIES[policy_name](), engine=engine)
         assert len(handle.modules) == 2, handle.modules
         got = hf_step(model)
         stats = handle.stats()["total"]
@@ -1226,3 +1228,200 @@ def test_inductor_block_called_inside_a_region(fresh_dynamo):
     assert len(ours) == 1, [str(w.message)[:80] for w in fresh_dynamo]
     for region in regions:
         assert region.stats()["dropped_ops"] == 0, region.stats()
+
+
+# --------------------------------------------------------------------------
+# 9. Offloading to host memory (torch_sac.offload)
+# --------------------------------------------------------------------------
+
+OFFLOAD_POLICIES = {
+    "offload_matmuls": torch_sac.policies.offload_matmuls,
+    "offload_everything": lambda: (lambda ctx, op, *a, **k: torch_sac.Policy.PREFER_OFFLOAD),
+}
+
+
+@pytest.fixture
+def offloading():
+    """Every eligible tensor offloaded (no size threshold, nothing kept on
+    the device at the end of forward); the CPU stand-in in the dry run.
+    Afterwards no host range is in use: nothing leaked."""
+    with torch_sac.offload.using(
+        min_bytes=0, keep_last_bytes=0, prefetch_bytes=64 << 20, cpu_stand_in=not ON_CUDA
+    ):
+        yield
+    import gc
+
+    gc.collect()
+    torch_sac.offload.synchronize()
+    stats = torch_sac.offload.stats()
+    assert stats["host_in_use_bytes"] == 0, f"host ranges left in use: {stats}"
+    assert stats["copying_bytes"] == 0 and stats["prefetched_bytes"] == 0, stats
+
+
+@pytest.mark.parametrize("policy_name", sorted(OFFLOAD_POLICIES))
+@pytest.mark.parametrize("engine", ["region", "checkpoint", "dropin"])
+def test_offload_gradients_bitwise_with_dropout(offloading, engine, policy_name):
+    """Blocks with dropout and in-place residual adds, their outputs
+    offloaded: gradients and the generator's state as without checkpointing,
+    and the copies really ran."""
+    before = torch_sac.offload.stats()
+    got = run_step(
+        make_net(), randn(*NET_SHAPE, seed=1), Recorder(engine, OFFLOAD_POLICIES[policy_name]())
+    )
+    after = torch_sac.offload.stats()
+    assert_bitwise(got, net_reference(), f"offload/{engine}/{policy_name}")
+    assert after["offloaded_bytes"] > before["offloaded_bytes"]
+    assert after["reloaded_bytes"] > before["reloaded_bytes"]
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_offload_freed_memory_poisoned(offloading, engine):
+    """Between forward and backward the allocator's free blocks (the
+    offloaded tensors' among them) are filled with NaN on both streams: a
+    copy that read a freed source, or a consumer that read a reload before
+    its copy finished, would put NaN in the gradients."""
+    model = make_net()
+    x = randn(*NET_SHAPE, seed=1).requires_grad_()
+    rec = Recorder(engine, torch_sac.policies.offload_matmuls())
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(RUN_SEED)
+    loss = loss_of(model(x, rec))
+    if ON_CUDA:
+        poison_cached_blocks([torch.cuda.current_stream(), torch.cuda.Stream()])
+    loss.backward()
+    got = {"loss": loss.detach(), "x.grad": x.grad}
+    got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
+    got["rng"] = rng_state()
+    assert_bitwise(got, net_reference(), f"offload, poisoned/{engine}")
+
+
+@cuda_only("copy streams")
+def test_offload_large_copies_slower_than_compute(offloading):
+    """Large activations with almost no compute between them: every copy is
+    slower than the ops around it, so the consumer must wait on the copies'
+    events (a missing wait reads garbage), and forward's sources must outlive
+    their copies. Delays on the compute stream shift the copies further."""
+    torch.manual_seed(0)
+    n = 32 << 20  # 128 MiB per activation in fp32
+    x = torch.randn(n, device=DEVICE, requires_grad=True)
+
+    def chain(x):
+        h = x
+        for _ in range(4):
+            h = torch.sin(h)  # saves its input: offloaded
+            torch.cuda._sleep(SLEEP_CYCLES // 8)
+        return h
+
+    policy = lambda ctx, op, *a, **k: torch_sac.Policy.PREFER_OFFLOAD  # noqa: E731
+    (want,) = torch.autograd.grad(chain(x).sum(), [x])
+    with torch_sac.sac_context(policy):
+        out = chain(x)
+    poison_cached_blocks([torch.cuda.current_stream()], n=4, numel=n)
+    (got,) = torch.autograd.grad(out.sum(), [x])
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@cuda_only("overlap")
+def test_offload_overlaps_compute(offloading):
+    """Matmul-heavy blocks (about 1 ms of compute between offloaded
+    tensors of 8 MiB): every reload after the first is started ahead of its
+    use and complete when used (late counts a reload the consumer found
+    unfinished), with a prefetch window of a few tensors."""
+    torch.manual_seed(0)
+    d = 2048
+    ws = [torch.randn(d, d, device=DEVICE, requires_grad=True) / d**0.5 for _ in range(8)]
+    x = torch.randn(1024, d, device=DEVICE, requires_grad=True)
+
+    def blocks(h):
+        for w in ws:
+            for _ in range(4):
+                h = torch.tanh(h @ w)
+        return h
+
+    with torch_sac.offload.using(prefetch_bytes=4 * 1024 * d * 4):
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([torch.ops.aten.tanh])):
+            out = blocks(x)
+        before = torch_sac.offload.stats()
+        out.sum().backward()
+        torch.cuda.synchronize()
+        after = torch_sac.offload.stats()
+    reloaded = after["reloaded"] - before["reloaded"]
+    late = after["late"] - before["late"]
+    assert reloaded >= 16
+    assert late <= max(2, reloaded // 10), (late, reloaded)
+
+
+@cuda_only("the caching allocator's statistics")
+def test_offload_frees_device_memory_and_reuses_the_pool(offloading):
+    """Offloading tanh's outputs instead of saving them: the device holds
+    their bytes less after forward (measured by the caching allocator); over
+    three steps the host pool allocates its chunks once."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, device=DEVICE, requires_grad=True)
+    x = torch.randn(2048, 1024, device=DEVICE)
+    step_bytes = 2048 * 1024 * 4
+
+    def forward(policy):
+        h = x
+        with torch_sac.sac_context(policy):
+            for _ in range(6):
+                h = torch.tanh(h @ w)
+        return h
+
+    def held_after_forward(policy):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        out = forward(policy)
+        torch_sac.offload.synchronize()  # copies done: sources released
+        held = torch.cuda.memory_allocated() - start
+        out.sum().backward()
+        return held
+
+    saved = held_after_forward(torch_sac.policies.save_ops([torch.ops.aten.tanh]))
+    chunks = []
+    for _ in range(3):
+        offloaded = held_after_forward(torch_sac.policies.offload_ops([torch.ops.aten.tanh]))
+        chunks.append(torch_sac.offload.stats()["host_chunks_allocated"])
+    # The last tanh output is the region's output: alive either way.
+    assert saved - offloaded >= 5 * step_bytes
+    assert chunks[0] == chunks[-1], chunks
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_offload_backward_on_another_thread(offloading, engine):
+    model = make_net()
+    x = randn(*NET_SHAPE, seed=1)
+    model.zero_grad(set_to_none=True)
+    xin = x.detach().requires_grad_()
+    rec = Recorder(engine, torch_sac.policies.offload_matmuls())
+    torch.manual_seed(RUN_SEED)
+    loss = loss_of(model(xin, rec))
+    errors = []
+
+    def backward():
+        try:
+            if ON_CUDA:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.default_stream())
+                with torch.cuda.stream(s):
+                    loss.backward()
+                torch.cuda.synchronize()
+            else:
+                loss.backward()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=backward, daemon=True)
+    t.start()
+    join(t)
+    assert not errors, f"backward on another thread raised: {errors[0]!r}"
+    got = {"loss": loss.detach(), "x.grad": xin.grad}
+    got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
+    got["rng"] = rng_state()
+    assert_bitwise(got, net_reference(), f"offload, backward on another thread/{engine}")
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_offload_hf_llama_step(offloading, engine):
+    check_hf(build_llama, engine, "offload_matmuls", f"llama/{engine}/offload_matmuls")
