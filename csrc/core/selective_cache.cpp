@@ -297,52 +297,64 @@ void SelectiveCache::cache_outputs(
     int64_t call_index,
     c10::ArrayRef<c10::IValue> outputs,
     Policy decision) {
-  const bool offload = is_offload(decision);
+  // Built apart and committed at the end: an offload that raises (the host
+  // cap) leaves the call to recompute, never half cached.
   Entry& entry = record.entries[call_index];
-  entry.state = EntryState::Cached;
-  entry.cached = std::make_unique<CachedOutputs>();
-  CachedOutputs& cached = *entry.cached;
-  cached.outputs.reserve(outputs.size());
+  auto cached = std::make_unique<CachedOutputs>();
+  std::vector<const c10::StorageImpl*> storages;
+  cached->outputs.reserve(outputs.size());
+  const bool offload = is_offload(decision);
   const offload::OffloadOptions options = offload ? offload::options() : offload::OffloadOptions();
   const bool must = decision == Policy::MustOffload;
+  const c10::ArrayRef<InputSeen> inputs(inputs_seen_.data() + entry.inputs_begin, entry.num_inputs);
+  const auto new_storage = [&](const at::Tensor& t) {
+    // `_unsafe_view` declares no alias but returns its input's storage.
+    const c10::StorageImpl* st = storage_of(t);
+    return !record.facts->returns_alias && st != nullptr &&
+        std::none_of(inputs.begin(), inputs.end(), [&](const InputSeen& in) {
+          return same_storage(in.storage, st);
+        });
+  };
   for (const c10::IValue& out : outputs) {
     // A Tensor output the op made anew goes to host memory; a view, a list
     // element or an ineligible tensor stays on the device (PREFER_OFFLOAD).
     if (offload && out.isTensor() && out.toTensor().defined()) {
       const at::Tensor& t = out.toTensor();
-      if (!record.facts->returns_alias && entry.made_new &&
-          offload::why_not_offloadable(t, options, must) == nullptr) {
-        cached.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
-        cached.offloaded.emplace_back(
-            cached.outputs.size(), offload::offload(t, version_of(t), record.facts->name));
-        cached.outputs.emplace_back(at::Tensor());
-        cached.offloaded_bytes += static_cast<int64_t>(t.storage().nbytes());
-        if (const c10::StorageImpl* s = storage_of(t)) {
-          cached_storages_[s].emplace_back(&record, call_index);
-        }
+      if (new_storage(t) && offload::why_not_offloadable(t, options, must) == nullptr) {
+        cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        cached->offloaded.emplace_back(
+            cached->outputs.size(), offload::offload(t, version_of(t), record.facts->name));
+        cached->outputs.emplace_back(at::Tensor());
+        cached->offloaded_bytes += static_cast<int64_t>(t.storage().nbytes());
+        storages.push_back(storage_of(t));
         continue;
       }
       ++stats_.offload_fallbacks;
     }
-    cached.outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
+    cached->outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
       if (t.defined()) {
-        cached.watched.push_back(t.unsafeGetTensorImpl()->version_counter());
-        cached.bytes += tensor_bytes(t);
-        if (const c10::StorageImpl* s = storage_of(t)) {
-          cached_storages_[s].emplace_back(&record, call_index);
+        cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+        cached->bytes += tensor_bytes(t);
+        if (const c10::StorageImpl* st = storage_of(t)) {
+          storages.push_back(st);
         }
       }
       return cacheable(t, record.facts->returns_alias);
     }));
   }
-  entry.offloaded = !cached.offloaded.empty();
-  if (cached.offloaded.empty()) {
+  for (const c10::StorageImpl* st : storages) {
+    cached_storages_[st].emplace_back(&record, call_index);
+  }
+  entry.offloaded = !cached->offloaded.empty();
+  if (cached->offloaded.empty()) {
     ++stats_.saved_ops;
   } else {
     ++stats_.offloaded_ops;
   }
-  stats_.saved_bytes += cached.bytes;
-  stats_.offloaded_bytes += cached.offloaded_bytes;
+  stats_.saved_bytes += cached->bytes;
+  stats_.offloaded_bytes += cached->offloaded_bytes;
+  entry.cached = std::move(cached);
+  entry.state = EntryState::Cached;
 }
 
 void SelectiveCache::invalidate(const c10::StorageImpl* storage) {
@@ -510,7 +522,7 @@ void CachingHandler::handle(
   entry.new_bytes = new_bytes;
   cache_->watch_aliases(outputs);
   if (decision == Policy::MustOffload) {
-    check_must_offload(record, outputs);
+    check_must_offload(record, seen, outputs);
   }
   if (is_kept(decision) && cacheable_writes && !draws_now) {
     cache_->cache_outputs(record, call_index, outputs, decision);
@@ -519,11 +531,16 @@ void CachingHandler::handle(
 
 void CachingHandler::check_must_offload(
     const SelectiveCache::OpRecord& record,
+    c10::ArrayRef<SelectiveCache::InputSeen> inputs,
     c10::ArrayRef<c10::IValue> outputs) {
   const offload::OffloadOptions options = offload::options();
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
-      const char* why = record.facts->returns_alias
+      const bool on_an_input = std::any_of(
+          inputs.begin(), inputs.end(), [&](const SelectiveCache::InputSeen& in) {
+            return SelectiveCache::same_storage(in.storage, storage_of(t));
+          });
+      const char* why = record.facts->returns_alias || on_an_input
           ? "it is a view of an input or an input written in place (offload the op that made "
             "the storage)"
           : !out.isTensor() ? "it is part of a list output"

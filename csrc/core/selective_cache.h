@@ -228,6 +228,7 @@ class CachingHandler final : public OpHandler {
   // naming the op and why.
   static void check_must_offload(
       const SelectiveCache::OpRecord& record,
+      c10::ArrayRef<SelectiveCache::InputSeen> inputs,
       c10::ArrayRef<c10::IValue> outputs);
 
   std::shared_ptr<SelectiveCache> cache_;

@@ -528,3 +528,153 @@ def test_profile_without_offload_has_no_offload_line():
         weighted(out).backward()
     assert prof.to_dict()["totals"]["offload"] is None
     assert "offload:" not in prof.table()
+
+
+# --------------------------------------------------------------------------
+# Found by review (each failed before its fix)
+# --------------------------------------------------------------------------
+
+
+def _mm_policy(value):
+    return lambda ctx, op, *a, **k: value if op is aten.mm.default else Policy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("write", ["foreach", "inference_mode"])
+def test_write_the_region_does_not_record_gets_a_new_copy(stand_in, write):
+    """A write the region records no mutation for (a list write, one under
+    inference mode) between two offloads of one storage: the second is a new
+    copy, not the first one's stale bytes."""
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn():
+        h = x @ w  # offloaded
+        a = h.sin()  # saves h (state 0); a is not used by the loss
+        if write == "foreach":
+            with torch.no_grad():
+                torch._foreach_add_([h], 1.0)
+        else:
+            with torch.inference_mode():
+                h.mul_(2)
+        return a, h.cos()  # cos saves the new h
+
+    _, b = fn()
+    want = torch.autograd.grad(b.sum(), [x, w])
+    with torch_sac.sac_context(_mm_policy(Policy.MUST_OFFLOAD)):
+        a, b = fn()
+    assert_same(list(torch.autograd.grad(b.sum(), [x, w])), list(want))
+
+
+def test_dropin_host_cap_leaves_the_call_to_recompute(stand_in):
+    """The host cap raised inside the drop-in's caching (a user catching it
+    and retrying): the call is recomputed, not half cached."""
+    x = torch.randn(16, 16, requires_grad=True)
+    y = torch.randn(16, 16, requires_grad=True)
+
+    def fn():
+        try:
+            h = x + y
+        except torch.OutOfMemoryError:
+            torch_sac.offload.set_options(host_limit_bytes=-1)
+            h = x + y
+        return h.sin().sum()
+
+    policy = lambda ctx, op, *a, **k: (  # noqa: E731
+        Policy.MUST_OFFLOAD if op is aten.add.Tensor else Policy.PREFER_RECOMPUTE
+    )
+    want = torch.autograd.grad(fn(), [x, y])
+    with torch_sac.offload.using(host_limit_bytes=256):
+        context_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
+        loss = tc.checkpoint(fn, use_reentrant=False, context_fn=context_fn)
+        got = torch.autograd.grad(loss, [x, y])
+    assert_same(list(got), list(want))
+
+
+def test_prefetch_window_slides_past_another_graph(stand_in):
+    """A graph kept alive without backward does not hold the prefetch window
+    for the next steps: their reloads are all started ahead."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+
+    def fn(x):
+        for w in weights:
+            x = (x @ w).tanh()
+        return x
+
+    step = 32 * 64 * 4
+    policy = torch_sac.policies.offload_ops([aten.tanh])
+    with torch_sac.offload.using(prefetch_bytes=3 * step):
+        with torch_sac.sac_context(policy):
+            kept = fn(torch.randn(32, 64))  # noqa: F841 (alive, never backwarded)
+        for _ in range(2):
+            with torch_sac.sac_context(policy):
+                out = fn(torch.randn(32, 64))
+            before = torch_sac.offload.stats()
+            out.sum().backward()
+            after = torch_sac.offload.stats()
+            assert after["late"] == before["late"]
+            assert after["prefetched_bytes"] <= 3 * step
+
+
+def test_no_copy_back_for_originals_kept_alive(stand_in):
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 64, requires_grad=True) for _ in range(6)]
+    x = torch.randn(32, 64, requires_grad=True)
+    with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+        hs, h = [], x
+        for w in weights:
+            h = (h @ w).tanh()
+            hs.append(h)
+    before = torch_sac.offload.stats()
+    torch_sac.offload.reset_peak_stats()
+    sum(h.sum() for h in hs).backward()
+    after = torch_sac.offload.stats()
+    assert after["reloaded"] == before["reloaded"]
+    assert after["peak_prefetched_bytes"] == 0
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_allow_cache_entry_mutation_reads_the_host_copy(stand_in, engine):
+    """allow_cache_entry_mutation=True and an offloaded output modified after
+    forward: no error, and the replay reads forward's value (the host copy),
+    so the gradients are those of the run without checkpointing."""
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn():
+        h = x @ w
+        return (h * 2).exp().sum(), h  # exp's output dropped: replaying h * 2 reads h
+
+    loss, h = fn()
+    with torch.no_grad():
+        h.mul_(3)
+    want = torch.autograd.grad(loss, [x, w])
+    policy = _mm_policy(Policy.MUST_OFFLOAD)
+    if engine == "region":
+        with torch_sac.sac_context(policy, allow_cache_entry_mutation=True):
+            loss, h = fn()
+    else:
+        context_fn = functools.partial(
+            torch_sac.create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation=True
+        )
+        loss, h = tc.checkpoint(fn, use_reentrant=False, context_fn=context_fn)
+    with torch.no_grad():
+        h.mul_(3)
+    assert_same(list(torch.autograd.grad(loss, [x, w])), list(want))
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_must_offload_unsafe_view_raises(stand_in, engine):
+    """`_unsafe_view` declares no alias but returns its input's storage."""
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    policy = lambda ctx, op, *a, **k: (  # noqa: E731
+        Policy.MUST_OFFLOAD if op is aten._unsafe_view.default else Policy.PREFER_RECOMPUTE
+    )
+    with pytest.raises(ValueError, match=r"MUST_OFFLOAD for aten::_unsafe_view.*view of an input"):
+        run(
+            "region" if engine == "region" else "dropin",
+            lambda: torch.matmul(x, w).sum(),
+            policy=policy,
+        )
+    assert_clean()

@@ -40,9 +40,16 @@ class OffloadedStorage : public std::enable_shared_from_this<OffloadedStorage> {
   const c10::StorageImpl* key = nullptr;
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> identity;
   uint64_t state = 0;
+  // The version counter of the tensor first offloaded, and its version then.
+  c10::VariableVersion version_counter;
+  uint32_t version = 0;
   // Written after it was offloaded (before_write): backward must not take
-  // the original, even while someone keeps it alive.
+  // the original, even while someone keeps it alive, and no later offload
+  // of the storage may share this copy.
   bool written = false;
+  // Recorded on the stream current when it was offloaded (the stream that
+  // made it), for a copy out started later (a staged one).
+  std::optional<c10::Event> produced;
 
   enum class Where : uint8_t { Staged, Copying, OnHost };
   Where where = Where::Staged;
@@ -148,6 +155,15 @@ class Offloader {
   void copy_out_locked(OffloadedStorage& s);
   c10::Storage copy_in_locked(OffloadedStorage& s);
   void prefetch_before_locked(int64_t seq);
+  // Whether a reload of it would need no copy: still on the device, or its
+  // original alive and unchanged.
+  bool on_device_locked(OffloadedStorage& s);
+  // The original storage, alive and unchanged since offloaded, or null.
+  c10::intrusive_ptr<c10::StorageImpl> unchanged_original_locked(OffloadedStorage& s);
+  void start_prefetch_locked(OffloadedStorage& s);
+  c10::Storage take_prefetched_locked(OffloadedStorage& s);
+  // Gives a prefetched copy's room back (kept until its copy completed).
+  void drop_prefetched_locked(OffloadedStorage& s);
   void poll_locked();
   void finish_copy_out_locked(OffloadedStorage& s);
   void unstage_locked(OffloadedStorage& s);
@@ -163,7 +179,8 @@ class Offloader {
   std::deque<OffloadedStorage*> staged_;
   int64_t staged_bytes_ = 0;
   std::vector<OffloadedStorage*> copying_;
-  std::atomic<int64_t> live_count_{0}; // live_.size(), read without the lock
+  std::map<int64_t, OffloadedStorage*> prefetched_; // by offload order
+  std::atomic<int64_t> live_count_{0};              // live_.size(), read without the lock
   // Device storages of forgotten copies a stream still reads or writes,
   // kept until the copy's event completes.
   std::vector<std::pair<c10::Storage, c10::Event>> retiring_;
@@ -191,7 +208,9 @@ OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const st
   if (auto it = by_storage_.find(key); it != by_storage_.end()) {
     OffloadedStorage* s = it->second;
     auto alive = s->identity->lock();
-    if (alive.get() == key && s->state == state) {
+    // A write the caller's state does not count (a list write, one under
+    // inference mode) marked it written, or moved the version.
+    if (alive.get() == key && s->state == state && !s->written && s->version == out.version_) {
       // Null when its last owner is being destroyed on another thread.
       out.storage_ = s->weak_from_this().lock();
       if (out.storage_) {
@@ -209,7 +228,13 @@ OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const st
   s->key = key;
   s->identity = c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl());
   s->state = state;
+  s->version = out.version_;
+  s->version_counter = out.version_counter_;
   s->source = storage;
+  if (!s->device.is_cpu()) {
+    s->produced.emplace(s->device.type());
+    s->produced->record(c10::impl::VirtualGuardImpl(s->device.type()).getStream(s->device));
+  }
   live_.emplace(s->seq, s.get());
   by_storage_[key] = s.get();
   staged_.push_back(s.get());
@@ -248,11 +273,9 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
     stats_.offloaded_bytes += s.nbytes;
     finish_copy_out_locked(s);
   } else {
-    const c10::impl::VirtualGuardImpl impl(s.device.type());
-    c10::Event produced(s.device.type());
-    produced.record(impl.getStream(s.device));
     const c10::Stream side = copy_stream(s.device);
-    produced.block(side);
+    s.produced->block(side); // after the op that made it, on the stream it ran on
+    s.produced.reset();
     {
       const c10::StreamGuard on_side(side);
       dst.copy_(src, /*non_blocking=*/true);
@@ -325,21 +348,76 @@ c10::Storage Offloader::copy_in_locked(OffloadedStorage& s) {
   return dst.storage();
 }
 
+c10::intrusive_ptr<c10::StorageImpl> Offloader::unchanged_original_locked(OffloadedStorage& s) {
+  // Written through a recorded op (before_write), or through the tensor's
+  // version counter (outside the region, even with mutation allowed): the
+  // host copy holds what the op made, the original does not.
+  auto original = s.identity->lock();
+  if (s.written || !original || static_cast<int64_t>(original->nbytes()) != s.nbytes ||
+      current_version(s.version_counter) != s.version) {
+    return {};
+  }
+  return original;
+}
+
+bool Offloader::on_device_locked(OffloadedStorage& s) {
+  return s.where == OffloadedStorage::Where::Staged || s.resident ||
+      (s.reloaded && s.reloaded->use_count() > 0) || unchanged_original_locked(s);
+}
+
+void Offloader::start_prefetch_locked(OffloadedStorage& s) {
+  s.prefetched = copy_in_locked(s);
+  prefetched_.emplace(s.seq, &s);
+  ++stats_.prefetched;
+  stats_.prefetched_bytes += s.nbytes;
+  stats_.peak_prefetched_bytes = std::max(stats_.peak_prefetched_bytes, stats_.prefetched_bytes);
+}
+
+c10::Storage Offloader::take_prefetched_locked(OffloadedStorage& s) {
+  prefetched_.erase(s.seq);
+  stats_.prefetched_bytes -= s.nbytes;
+  return std::exchange(s.prefetched, c10::Storage());
+}
+
+void Offloader::drop_prefetched_locked(OffloadedStorage& s) {
+  c10::Storage storage = take_prefetched_locked(s);
+  if (s.h2d && !s.h2d->query()) {
+    // The copy into it still runs; the allocator must not hand it out.
+    c10::Event done(s.device.type());
+    done.record(copy_stream(s.device));
+    retiring_.emplace_back(std::move(storage), std::move(done));
+  }
+}
+
 void Offloader::prefetch_before_locked(int64_t seq) {
+  // The window: the storages offloaded just before `seq` (backward's next
+  // ones), up to prefetch_bytes with what is prefetched above `seq`. A
+  // storage prefetched further down than the window (another graph's, kept
+  // alive; or one this backward will not use soon) gives its room back.
+  int64_t room = options_.prefetch_bytes;
+  for (auto it = prefetched_.lower_bound(seq); it != prefetched_.end(); ++it) {
+    room -= it->second->nbytes;
+  }
+  bool full = false;
   for (auto it = live_.lower_bound(seq); it != live_.begin();) {
     --it;
+    if (full && (prefetched_.empty() || prefetched_.begin()->first > it->first)) {
+      return; // nothing prefetched further down
+    }
     OffloadedStorage& s = *it->second;
-    if (s.where == OffloadedStorage::Where::Staged || s.prefetched || s.resident ||
-        (s.reloaded && s.reloaded->use_count() > 0)) {
-      continue; // on the device already
+    if (!full && s.nbytes <= room) {
+      if (s.prefetched) {
+        room -= s.nbytes;
+      } else if (!on_device_locked(s)) {
+        start_prefetch_locked(s);
+        room -= s.nbytes;
+      }
+      continue;
     }
-    if (stats_.prefetched_bytes + s.nbytes > options_.prefetch_bytes) {
-      return;
+    full = true;
+    if (s.prefetched) {
+      drop_prefetched_locked(s);
     }
-    s.prefetched = copy_in_locked(s);
-    ++stats_.prefetched;
-    stats_.prefetched_bytes += s.nbytes;
-    stats_.peak_prefetched_bytes = std::max(stats_.peak_prefetched_bytes, stats_.prefetched_bytes);
   }
 }
 
@@ -363,14 +441,14 @@ c10::Storage Offloader::reload(OffloadedStorage& s, bool* consumed) {
     }
   } else if (s.resident) {
     out = s.resident; // reloaded for an earlier saved tensor of it
-  } else if (auto original = s.identity->lock();
-             !s.written && original && static_cast<int64_t>(original->nbytes()) == s.nbytes) {
+  } else if (auto original = unchanged_original_locked(s)) {
     // Someone kept the original alive and unchanged: no copy needed.
     out = c10::Storage(std::move(original));
+    if (s.prefetched) {
+      drop_prefetched_locked(s);
+    }
   } else if (s.prefetched) {
-    out = std::move(s.prefetched);
-    s.prefetched = c10::Storage();
-    stats_.prefetched_bytes -= s.nbytes;
+    out = take_prefetched_locked(s);
     if (s.h2d && !s.h2d->query()) {
       ++stats_.late;
       stats_.late_bytes += s.nbytes;
@@ -406,15 +484,11 @@ void Offloader::release_consumer(OffloadedStorage& s) {
 
 void Offloader::prefetch(OffloadedStorage& s) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (s.where == OffloadedStorage::Where::Staged || s.prefetched || s.resident ||
-      (s.reloaded && s.reloaded->use_count() > 0) ||
+  if (s.prefetched || on_device_locked(s) ||
       stats_.prefetched_bytes + s.nbytes > options_.prefetch_bytes) {
     return;
   }
-  s.prefetched = copy_in_locked(s);
-  ++stats_.prefetched;
-  stats_.prefetched_bytes += s.nbytes;
-  stats_.peak_prefetched_bytes = std::max(stats_.peak_prefetched_bytes, stats_.prefetched_bytes);
+  start_prefetch_locked(s);
 }
 
 void Offloader::before_write(const c10::StorageImpl* storage) {
@@ -458,17 +532,18 @@ void Offloader::forget(OffloadedStorage& s) {
   }
   s.resident = c10::Storage(); // consumed: its copy back completed for the consumer
   if (s.prefetched) {
-    stats_.prefetched_bytes -= s.nbytes;
-    if (s.h2d && !s.h2d->query()) {
-      // The copy into it still runs; the allocator must not hand it out.
-      c10::Event done(s.device.type());
-      done.record(copy_stream(s.device));
-      retiring_.emplace_back(std::move(s.prefetched), std::move(done));
-    }
+    drop_prefetched_locked(s);
   }
-  // The host range is free again once a copy from it has completed.
   if (s.host.valid()) {
-    pool(s.device.type()).release(s.host, std::move(s.h2d));
+    // The range is free again once every copy from or into it completed:
+    // all of them ran on this device's copy stream, so an event recorded
+    // there now covers them (the pool is shared by every device).
+    std::optional<c10::Event> copies_done;
+    if (!s.device.is_cpu()) {
+      copies_done.emplace(s.device.type());
+      copies_done->record(copy_stream(s.device));
+    }
+    pool(s.device.type()).release(s.host, std::move(copies_done));
   }
 }
 

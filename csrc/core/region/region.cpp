@@ -236,11 +236,33 @@ int64_t Region::track_outputs(
   return produced ? new_bytes : -1;
 }
 
-void Region::check_must_offload(const OpFacts& facts, c10::ArrayRef<c10::IValue> outputs) {
+void Region::check_must_offload(
+    const OpFacts& facts,
+    c10::ArrayRef<c10::IValue> inputs,
+    c10::ArrayRef<c10::IValue> outputs,
+    bool recordable) {
   const offload::OffloadOptions options = offload::options();
+  const char* unrecordable = first_unrecordable(inputs);
+  if (unrecordable == nullptr) {
+    unrecordable = first_unrecordable(outputs);
+  }
+  TORCH_CHECK_VALUE(
+      recordable && first_unrecordable(outputs) == nullptr,
+      "torch_sac: the policy returned MUST_OFFLOAD for ", facts.name,
+      ", but the region cannot record this op (",
+      unrecordable != nullptr ? unrecordable : "a collective, or an op writing a list of tensors",
+      "), so its outputs stay with autograd. Return PREFER_OFFLOAD or MUST_SAVE for this op.");
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
-      const char* why = facts.returns_alias
+      bool on_an_input = false;
+      for (const c10::IValue& in : inputs) {
+        for_each_tensor(in, [&](const at::Tensor& a) {
+          on_an_input = on_an_input ||
+              (t.has_storage() && a.defined() && a.has_storage() &&
+               a.storage().is_alias_of(t.storage()));
+        });
+      }
+      const char* why = facts.returns_alias || on_an_input
           ? "it is a view of an input or an input written in place (offload the op that made "
             "the storage)"
           : offload::why_not_offloadable(t, options, /*must=*/true);
@@ -341,7 +363,7 @@ void Region::handle(
   const int64_t call_index = tape_.ops[op_index].calls; // stable: only this thread records
   const Policy decision = decide(OpCall{op, inputs, outputs, call_index, adapter_view}, facts.name);
   if (decision == Policy::MustOffload) {
-    check_must_offload(facts, outputs);
+    check_must_offload(facts, inputs, outputs, can_record);
   }
   lock.lock();
 

@@ -191,7 +191,11 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   void count_decision(OpInfo& info, int64_t call_index, Policy decision, int64_t new_bytes);
   // MUST_OFFLOAD for an op with an output that cannot be offloaded raises,
   // naming the op and why.
-  static void check_must_offload(const OpFacts& facts, c10::ArrayRef<c10::IValue> outputs);
+  static void check_must_offload(
+      const OpFacts& facts,
+      c10::ArrayRef<c10::IValue> inputs,
+      c10::ArrayRef<c10::IValue> outputs,
+      bool recordable);
   // What a replay of the entry needs: its arguments, RNG and numerics.
   void record_for_replay(
       Entry& entry,

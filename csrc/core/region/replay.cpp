@@ -167,7 +167,10 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
     const Entry& entry = tape_.entries[e];
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
       if (slot.offloaded.defined()) {
-        return slot.offloaded.reload(/*check_version=*/!slot.preserved);
+        // As check_held: a change after forward is an error unless cache
+        // entries may be mutated; then the host copy holds forward's value.
+        return slot.offloaded.reload(
+            /*check_version=*/!slot.preserved && !allow_cache_entry_mutation_);
       }
       if (slot.held.defined()) {
         check_held(slot, entry);
