@@ -269,18 +269,22 @@ def make_rows():
             lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
         )
 
+    def in_context(context):
+        """A layer wrapper running the layer's forward inside ``context()``."""
+
+        def make(f):
+            def forward(*a, **k):
+                with context():
+                    return f(*a, **k)
+
+            return forward
+
+        return make
+
     def region(policy_factory):
         def install(model, layers):
             policy = policy_factory()
-
-            def make(f):
-                def forward(*a, **k):
-                    with torch_sac.sac_context(policy):
-                        return f(*a, **k)
-
-                return forward
-
-            return wrap_layers(layers, make)
+            return wrap_layers(layers, in_context(lambda: torch_sac.sac_context(policy)))
 
         return install
 
@@ -300,28 +304,18 @@ def make_rows():
     def save_on_cpu(model, layers):
         import torch
 
-        def make(f):
-            def forward(*a, **k):
-                with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                    return f(*a, **k)
-
-            return forward
-
-        return wrap_layers(layers, make)
+        return wrap_layers(
+            layers,
+            in_context(
+                lambda: torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            ),
+        )
 
     def torchtune_style(model, layers):
         from offload_reference import OffloadEverything
 
         hooks = OffloadEverything()
-
-        def make(f):
-            def forward(*a, **k):
-                with hooks:
-                    return f(*a, **k)
-
-            return forward
-
-        return wrap_layers(layers, make)
+        return wrap_layers(layers, in_context(lambda: hooks))
 
     def dropin_offload(model, layers):
         ctx = functools.partial(

@@ -774,18 +774,9 @@ def test_forward_on_a_side_stream(engine):
     assert_bitwise(step(rec), ref, f"forward on a side stream/{engine}")
 
 
-@pytest.mark.parametrize("engine", ["region", "dropin"])
-def test_backward_on_another_thread(engine):
-    """Forward on this thread, backward on another (its own current stream
-    on CUDA: the default one, here under a second stream)."""
-    model = make_net()
-    x = randn(*NET_SHAPE, seed=7)
-    ref = run_step(model, x)
-    model.zero_grad(set_to_none=True)
-    xin = x.detach().requires_grad_()
-    rec = Recorder(engine, torch_sac.policies.recompute_all())
-    torch.manual_seed(RUN_SEED)
-    loss = loss_of(model(xin, rec))
+def backward_on_another_thread(loss):
+    """``loss.backward()`` on a new thread (under a second stream of its own
+    on CUDA); its error re-raised here."""
     errors = []
 
     def backward():
@@ -805,6 +796,21 @@ def test_backward_on_another_thread(engine):
     t.start()
     join(t)
     assert not errors, f"backward on another thread raised: {errors[0]!r}"
+
+
+@pytest.mark.parametrize("engine", ["region", "dropin"])
+def test_backward_on_another_thread(engine):
+    """Forward on this thread, backward on another (its own current stream
+    on CUDA: the default one, here under a second stream)."""
+    model = make_net()
+    x = randn(*NET_SHAPE, seed=7)
+    ref = run_step(model, x)
+    model.zero_grad(set_to_none=True)
+    xin = x.detach().requires_grad_()
+    rec = Recorder(engine, torch_sac.policies.recompute_all())
+    torch.manual_seed(RUN_SEED)
+    loss = loss_of(model(xin, rec))
+    backward_on_another_thread(loss)
     got = {"loss": loss.detach(), "x.grad": xin.grad}
     got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
     got["rng"] = rng_state()
@@ -1397,25 +1403,7 @@ def test_offload_backward_on_another_thread(offloading, engine):
     rec = Recorder(engine, torch_sac.policies.offload_matmuls())
     torch.manual_seed(RUN_SEED)
     loss = loss_of(model(xin, rec))
-    errors = []
-
-    def backward():
-        try:
-            if ON_CUDA:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.default_stream())
-                with torch.cuda.stream(s):
-                    loss.backward()
-                torch.cuda.synchronize()
-            else:
-                loss.backward()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
-            errors.append(exc)
-
-    t = threading.Thread(target=backward, daemon=True)
-    t.start()
-    join(t)
-    assert not errors, f"backward on another thread raised: {errors[0]!r}"
+    backward_on_another_thread(loss)
     got = {"loss": loss.detach(), "x.grad": xin.grad}
     got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
     got["rng"] = rng_state()
