@@ -113,6 +113,69 @@ TEST_F(CppApi, SaveMatmulsKeepsMatmulsOnly) {
   EXPECT_GT(count_op(details, "aten::gelu.default", &RegionOpSummary::dropped), 0);
 }
 
+// The CPU stand-in for one test: every eligible tensor offloaded at once.
+class CpuStandIn {
+ public:
+  CpuStandIn() : previous_(offload::options()) {
+    offload::OffloadOptions o = previous_;
+    o.cpu_stand_in = true;
+    o.min_bytes = 0;
+    o.keep_last_bytes = 0;
+    offload::set_options(o);
+  }
+  ~CpuStandIn() {
+    offload::set_options(previous_);
+  }
+
+ private:
+  offload::OffloadOptions previous_;
+};
+
+TEST_F(CppApi, OffloadMatmulsIsExactAndLeavesNothingInTheHostPool) {
+  const auto expected = reference();
+  const CpuStandIn stand_in;
+  const offload::OffloadStats before = offload::stats();
+  RegionHandle handle;
+  expect_bitwise_equal(with_region(policies::offload_matmuls(), &handle), expected);
+  const auto details = handle.op_details();
+  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::offloaded), 2);
+  EXPECT_EQ(count_op(details, "aten::mm.default", &RegionOpSummary::saved), 0);
+  const offload::OffloadStats after = offload::stats();
+  EXPECT_GT(after.offloaded_bytes, before.offloaded_bytes);
+  EXPECT_GT(after.reloaded_bytes, before.reloaded_bytes);
+  EXPECT_EQ(after.host.in_use_bytes, 0);
+}
+
+TEST_F(CppApi, CallablePolicyMayOffload) {
+  const auto expected = reference();
+  const CpuStandIn stand_in;
+  RegionHandle handle;
+  auto policy = policies::from_callable([](const OpCall& call) {
+    return call.op.operator_name().name == "aten::gelu" ? Policy::MustOffload
+                                                        : Policy::PreferRecompute;
+  });
+  expect_bitwise_equal(with_region(policy, &handle), expected);
+  EXPECT_EQ(handle.stats().offloaded_ops, 1);
+  // Dropout's replay reads gelu's output: the tape offloads it instead of holding it.
+  EXPECT_GT(handle.stats().packed_offloaded + handle.stats().held_offloaded, 0);
+}
+
+TEST_F(CppApi, MustOffloadOnTheCpuRaisesNamingTheOp) {
+  auto policy = policies::from_callable([](const OpCall& call) {
+    return call.op.operator_name().name == "aten::gelu" ? Policy::MustOffload
+                                                        : Policy::PreferRecompute;
+  });
+  try {
+    RegionHandle handle;
+    with_region(policy, &handle);
+    FAIL() << "expected MUST_OFFLOAD of a CPU tensor to raise";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("aten::gelu"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CPU tensor"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(key_handler_depth(), 0u);
+}
+
 TEST_F(CppApi, SaveOpsByQualifiedName) {
   const auto expected = reference();
   RegionHandle handle;
