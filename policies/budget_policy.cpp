@@ -16,29 +16,38 @@ SavedCallsPolicy::SavedCallsPolicy(const std::vector<SavedCall>& calls, std::str
     auto handle = c10::Dispatcher::singleton().findOp(c.op);
     auto& indices = handle ? by_handle_[*handle] : by_name_[c.op];
     if (indices.size() <= static_cast<size_t>(c.call_index)) {
-      indices.resize(c.call_index + 1, false);
+      indices.resize(c.call_index + 1, kNo);
     }
-    if (!indices[c.call_index]) {
-      indices[c.call_index] = true;
+    const uint8_t listed = c.offload ? kOffload : kSave;
+    TORCH_CHECK_VALUE(
+        indices[c.call_index] == kNo || indices[c.call_index] == listed, "torch_sac: call ",
+        c.call_index, " of ", c.op.name, " is listed both as saved and as offloaded");
+    if (indices[c.call_index] == kNo) {
+      indices[c.call_index] = listed;
       ++size_;
+      offloaded_ += c.offload ? 1 : 0;
     }
   }
 }
 
 Policy SavedCallsPolicy::decide(const OpCall& call) {
   if (auto it = by_handle_.find(call.op); it != by_handle_.end()) {
-    return saved(it->second, call.call_index) ? Policy::MustSave : Policy::PreferRecompute;
+    return decision(it->second, call.call_index);
   }
   if (!by_name_.empty()) {
     if (auto it = by_name_.find(call.op.operator_name()); it != by_name_.end()) {
-      return saved(it->second, call.call_index) ? Policy::MustSave : Policy::PreferRecompute;
+      return decision(it->second, call.call_index);
     }
   }
   return Policy::PreferRecompute;
 }
 
 std::string SavedCallsPolicy::describe() const {
-  return label_.empty() ? "save_calls(" + std::to_string(size_) + " calls)" : label_;
+  if (!label_.empty()) {
+    return label_;
+  }
+  return "save_calls(" + std::to_string(size_) + " calls" +
+      (offloaded_ ? ", " + std::to_string(offloaded_) + " offloaded" : "") + ")";
 }
 
 std::shared_ptr<SavedCallsPolicy> save_calls(

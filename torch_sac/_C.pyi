@@ -53,11 +53,19 @@ class OpPolicy:
     def to_torch(self) -> Callable[..., CheckpointPolicy]: ...
 
 class SavedCallsPolicy(OpPolicy):
-    """Saves exactly the given (op, overload, call index) calls (budget plans)."""
+    """Saves exactly the given (op, overload, call index) calls (budget plans),
+    and offloads the ``offloaded`` ones (PREFER_OFFLOAD)."""
 
-    def __init__(self, calls: Sequence[tuple[str, str, int]], label: str = "") -> None: ...
+    def __init__(
+        self,
+        calls: Sequence[tuple[str, str, int]],
+        label: str = "",
+        offloaded: Sequence[tuple[str, str, int]] = (),
+    ) -> None: ...
     @property
     def num_saved_calls(self) -> int: ...
+    @property
+    def num_offloaded_calls(self) -> int: ...
 
 def register_policy_enums(sac_policy: object, torch_policy: object, /) -> None:
     """Records torch_sac.Policy and torch.utils.checkpoint.CheckpointPolicy."""

@@ -42,7 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
+import time
 from collections.abc import Iterator
+
+import torch
 
 from . import _C
 
@@ -161,3 +165,44 @@ def synchronize(trim: bool = False) -> None:
     """Waits for every copy still running; with ``trim``, returns the host
     pool's unused chunks."""
     _C.offload_synchronize(trim)
+
+
+def measure_bandwidth(device: torch.device | str, nbytes: int = 64 << 20, reps: int = 3) -> dict:
+    """Measured copy bandwidth between ``device`` and host memory, what the
+    planner prices offloading with (``plan_peak(..., offload=...)``).
+
+    On a GPU: copies of ``nbytes`` between the device and pinned host
+    memory, timed with CUDA events, the median of ``reps`` each way. On the
+    CPU (the stand-in): plain copies between two host buffers, timed on the
+    host clock. The figure is what this process gets now: far below the
+    link's spec when several GPUs share it.
+
+    Returns:
+        ``{"d2h_bytes_per_s": float, "h2d_bytes_per_s": float}``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        d = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        d = torch.empty(nbytes, dtype=torch.uint8)
+        h = torch.empty(nbytes, dtype=torch.uint8)
+    out = {}
+    for name, dst, src in (("d2h", h, d), ("h2d", d, h)):
+        dst.copy_(src)  # warm-up: page faults, first-use setup
+        seconds = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                seconds.append(time.perf_counter() - t0)
+        out[f"{name}_bytes_per_s"] = nbytes / max(statistics.median(seconds), 1e-9)
+    return out

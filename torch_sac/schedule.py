@@ -113,13 +113,24 @@ class ReplaySchedule:
                 )
             )
 
-    def policy(self) -> _C.SavedCallsPolicy:
-        """A policy saving exactly :attr:`saved` (decided in C++)."""
-        calls = []
-        for op, call in self.saved:
-            name, overload = op.rsplit(".", 1)
-            calls.append((name, "" if overload == "default" else overload, call))
-        return _C.SavedCallsPolicy(calls, f"schedule({len(self.saved)} saved calls)")
+    def policy(self, offloaded: Sequence[tuple[str, int]] = ()) -> _C.SavedCallsPolicy:
+        """A policy saving exactly :attr:`saved` (decided in C++); the calls
+        in ``offloaded`` (a subset of them) are offloaded to host memory
+        instead (``PREFER_OFFLOAD``)."""
+
+        def spelled(calls):
+            out = []
+            for op, call in calls:
+                name, overload = op.rsplit(".", 1)
+                out.append((name, "" if overload == "default" else overload, call))
+            return out
+
+        moved = set(offloaded)
+        label = f"schedule({len(self.saved)} saved calls"
+        label += f", {len(moved)} offloaded)" if moved else ")"
+        return _C.SavedCallsPolicy(
+            spelled(c for c in self.saved if c not in moved), label, spelled(sorted(moved))
+        )
 
     @property
     def recomputed(self) -> dict[TensorKey, int]:

@@ -62,16 +62,22 @@ void register_budget(py::module_& m) {
       m, "SavedCallsPolicy")
       .def(
           py::init([](const std::vector<std::tuple<std::string, std::string, int64_t>>& calls,
-                      std::string label) {
-            std::vector<policies::SavedCall> saved;
-            saved.reserve(calls.size());
+                      std::string label,
+                      const std::vector<std::tuple<std::string, std::string, int64_t>>& offloaded) {
+            std::vector<policies::SavedCall> listed;
+            listed.reserve(calls.size() + offloaded.size());
             for (const auto& [name, overload, index] : calls) {
-              saved.push_back({c10::OperatorName(name, overload), index});
+              listed.push_back({c10::OperatorName(name, overload), index});
             }
-            return policies::save_calls(saved, std::move(label));
+            for (const auto& [name, overload, index] : offloaded) {
+              listed.push_back({c10::OperatorName(name, overload), index, /*offload=*/true});
+            }
+            return policies::save_calls(listed, std::move(label));
           }),
-          py::arg("calls"), py::arg("label") = "")
-      .def_property_readonly("num_saved_calls", &policies::SavedCallsPolicy::size);
+          py::arg("calls"), py::arg("label") = "",
+          py::arg("offloaded") = std::vector<std::tuple<std::string, std::string, int64_t>>{})
+      .def_property_readonly("num_saved_calls", &policies::SavedCallsPolicy::size)
+      .def_property_readonly("num_offloaded_calls", &policies::SavedCallsPolicy::offloaded);
 }
 
 } // namespace torch_sac::python

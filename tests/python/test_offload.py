@@ -11,6 +11,7 @@ The streams, events and pinned memory are tested in test_cuda.py
 (``cuda`` marker) and by scripts/gpu_check.sh.
 """
 
+import contextlib
 import functools
 import gc
 
@@ -678,3 +679,125 @@ def test_must_offload_unsafe_view_raises(stand_in, engine):
             policy=policy,
         )
     assert_clean()
+
+
+# --------------------------------------------------------------------------
+# Planned: plan_peak chooses offload per block where it pays
+# --------------------------------------------------------------------------
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+class _MLPNet(nn.Module):
+    """Blocks whose matmuls cost far more to recompute than their outputs
+    cost to copy."""
+
+    def __init__(self, d=256, depth=6):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MLPBlock(d) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.fixture
+def mlp_step():
+    torch_sac.memory.install_counting_allocator()
+    torch.manual_seed(0)
+    model = _MLPNet()
+    x = torch.randn(1024, 256)
+    leaves = list(model.parameters())
+
+    def loss():
+        return model(x).pow(2).mean()
+
+    def grads(ctx=None):
+        with torch_sac.memory.track() as m:
+            with ctx or contextlib.nullcontext():
+                out = loss()
+            got = torch.autograd.grad(out, leaves)
+            del out
+        return list(got), m.peak
+
+    return loss, grads
+
+
+def test_plan_peak_offloads_where_it_pays(stand_in, mlp_step):
+    loss, grads = mlp_step
+    want, plain = grads()
+    target = int(plain * 0.7)
+    plan = torch_sac.policies.plan_peak(loss, peak_bytes=target, offload=True)
+    assert plan.offloaded, plan.table()
+    assert "offload matmuls" in plan.blocks
+    assert "offloaded to host memory" in plan.table()
+    before = torch_sac.offload.stats()["offloaded"]
+    got, peak = grads(torch_sac.sac_context(plan))
+    assert_same(got, want)
+    assert peak <= target
+    assert torch_sac.offload.stats()["offloaded"] > before
+
+
+def test_plan_peak_offloads_nothing_where_copies_cost_more(stand_in, mlp_step, monkeypatch):
+    """A host link so slow that every copy costs more than recomputing: the
+    planner is free to offload nothing, and does."""
+    loss, grads = mlp_step
+    want, plain = grads()
+    monkeypatch.setattr(
+        torch_sac.offload,
+        "measure_bandwidth",
+        lambda device: {"d2h_bytes_per_s": 1e5, "h2d_bytes_per_s": 1e5},
+    )
+    plan = torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7), offload=True)
+    assert not plan.offloaded
+    assert "offload matmuls" not in (plan.blocks or [])
+    got, _ = grads(torch_sac.sac_context(plan))
+    assert_same(got, want)
+
+
+def test_plan_peak_offload_defaults_and_errors(mlp_step):
+    loss, grads = mlp_step
+    _, plain = grads()
+    # On the CPU the default plans no offload, even with the stand-in on.
+    with torch_sac.offload.using(**STAND_IN):
+        plan = torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7))
+    assert not plan.offloaded
+    with pytest.raises(ValueError, match="offload=True, but the step runs on cpu"):
+        torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7), offload=True)
+    with pytest.raises(TypeError, match="offload must be None, True or False"):
+        torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7), offload="yes")
+    assert_clean()
+
+
+def test_plan_with_offload_saves_and_loads(stand_in, mlp_step, tmp_path):
+    loss, grads = mlp_step
+    want, plain = grads()
+    plan = torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7), offload=True)
+    plan.save(tmp_path / "plan.json")
+    back = torch_sac.PeakPlan.load(tmp_path / "plan.json")
+    assert back.offloaded == plan.offloaded and back.blocks == plan.blocks
+    assert back.policy().num_offloaded_calls == len(plan.offloaded)
+    got, _ = grads(torch_sac.sac_context(back))
+    assert_same(got, want)
+    # A plan written before offloading existed (format 3) loads with none.
+    data = plan.to_dict()
+    data["format"] = "torch_sac.peak_plan/3"
+    del data["offloaded"]
+    assert torch_sac.PeakPlan.from_dict(data).offloaded is None
+
+
+def test_saved_calls_policy_offloads_the_listed_calls():
+    policy = torch_sac._C.SavedCallsPolicy(
+        [("aten::mm", "", 0)], "", offloaded=[("aten::mm", "", 1)]
+    )
+    assert policy.num_saved_calls == 2 and policy.num_offloaded_calls == 1
+    with pytest.raises(ValueError, match="both as saved and as offloaded"):
+        torch_sac._C.SavedCallsPolicy([("aten::mm", "", 0)], "", offloaded=[("aten::mm", "", 0)])

@@ -273,7 +273,7 @@ def test_save_and_load(tmp_path):
         torch_sac.sac_context(loaded.schedule.policy(), replay_schedule=loaded.schedule),
     )
     assert_bitwise(got, want)
-    with pytest.raises(ValueError, match="peak_plan/3"):
+    with pytest.raises(ValueError, match="peak_plan/4"):
         torch_sac.PeakPlan.from_dict({"format": "other"})
 
 
@@ -284,9 +284,10 @@ def test_a_plan_saved_in_format_1_loads_with_the_new_names():
     layers, x, forward, size = tanh_chain(8, batch=512)
     plan = budget(forward, peak_bytes=int(grads_of(forward, layers, x)[1] * 0.7))
     data = plan.to_dict()
-    assert data["format"] == "torch_sac.peak_plan/3" and "recomputed_ops" not in data
+    assert data["format"] == "torch_sac.peak_plan/4" and "recomputed_ops" not in data
     old = dict(data, format="torch_sac.peak_plan/1")
     del old["blocks"]  # format 3's
+    del old["offloaded"]  # format 4's
     old["recomputed_ops"] = old.pop("replayed_ops")
     old["recompute_seconds"] = old.pop("replay_seconds")
     loaded = torch_sac.PeakPlan.from_dict(old)
@@ -295,7 +296,7 @@ def test_a_plan_saved_in_format_1_loads_with_the_new_names():
     assert loaded.to_dict() == data
     # Format 2: no blocks.
     two = dict(data, format="torch_sac.peak_plan/2")
-    del two["blocks"]
+    del two["blocks"], two["offloaded"]
     assert torch_sac.PeakPlan.from_dict(two).to_dict() == data
 
 
@@ -737,7 +738,7 @@ def test_planner_argument_errors_are_clear():
         budget(fwd, peak_bytes=64)
     with pytest.raises(ValueError, match="without bytes, fraction or modules"):
         budget(fwd, peak_bytes=1 << 20, fraction=0.5)
-    with pytest.raises(ValueError, match="peak_plan/3"):
+    with pytest.raises(ValueError, match="peak_plan/4"):
         torch_sac.PeakPlan.from_dict([1])
     d = budget(fwd, peak_bytes=1 << 40).to_dict()
     with pytest.raises(ValueError, match=">= 0"):

@@ -164,7 +164,7 @@ def test_budget_forwards_peak_bytes_to_plan_peaks_search(monkeypatch):
 
     calls = []
 
-    def fake(fn, args, kwargs, peak_bytes, where, blocks="auto"):
+    def fake(fn, args, kwargs, peak_bytes, where, blocks="auto", offload=None):
         calls.append((fn, args, kwargs, peak_bytes, blocks))
         return "plan"
 

@@ -12,7 +12,16 @@ block's input, so backward can rebuild it):
   PyTorch's selective checkpointing recipe;
 * ``knapsack N%``: the budget planner's solution (``_C.budget_solve``, value
   the calls' measured time) at N % of the block's activations;
-* ``input``: nothing but the input (``torch.utils.checkpoint`` on the block).
+* ``input``: nothing but the input (``torch.utils.checkpoint`` on the block);
+* ``offload matmuls`` (when the step can offload, :class:`OffloadModel`):
+  the matmuls' outputs in host memory instead of on the device, the rest
+  recomputed from them. Its time is the matmuls option's replay plus the
+  copies' time that compute cannot hide (bytes over the measured bandwidth,
+  less the block's forward time for the copy out and its backward time for
+  the copy back, on a GPU; all of it on the CPU stand-in, whose copies are
+  synchronous); its backward holds the next block's tensors prefetched
+  meanwhile. Where the copies cost more than recomputing, the solver does
+  not choose it.
 
 A block that starts a longer segment keeps only its input; the blocks after
 it in the segment keep nothing (``checkpoint_sequential``). What runs
@@ -20,6 +29,8 @@ outside the blocks (embeddings, the head, the loss) is always kept.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .. import _C
 from .._blocks import find_blocks
@@ -30,7 +41,9 @@ from .region_numbering import op_name
 __all__ = [
     "KNAPSACK_SHARES",
     "MATMULS",
+    "OFFLOAD_MATMULS",
     "NotAChain",
+    "OffloadModel",
     "StepBlocks",
     "chain_spans",
     "find_step_blocks",
@@ -41,6 +54,31 @@ KNAPSACK_SHARES = (0.25, 0.5, 0.75)
 
 #: The qualified names of the matmul-class ops (``save_matmuls``' list).
 MATMULS = frozenset(_C.matmul_op_names())
+
+#: The name of the option offloading a block's matmul outputs.
+OFFLOAD_MATMULS = "offload matmuls"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadModel:
+    """What offloading costs on the step's device: measured bandwidth
+    (bytes per second, device to host and back), whether copies overlap
+    compute (on a GPU's copy stream; not on the CPU stand-in) and the
+    prefetch window (``torch_sac.offload``'s ``prefetch_bytes``)."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    overlaps: bool
+    prefetch_bytes: int
+
+    def exposed_seconds(self, nbytes, forward_seconds):
+        """The copies' time compute cannot hide, for ``nbytes`` moved out in
+        a block whose forward takes ``forward_seconds`` (its backward about
+        twice that) and back in its backward."""
+        out, back = nbytes / self.d2h_bytes_per_s, nbytes / self.h2d_bytes_per_s
+        if not self.overlaps:
+            return out + back
+        return max(0.0, out - forward_seconds) + max(0.0, back - 2 * forward_seconds)
 
 
 def find_step_blocks(modules):
@@ -93,7 +131,7 @@ class StepBlocks:
         head_bytes: what the calls after the last block keep for backward.
     """
 
-    def __init__(self, profile: RegionProfile, blocks):
+    def __init__(self, profile: RegionProfile, blocks, offload: OffloadModel | None = None):
         spans = chain_spans(profile, len(blocks))
         self.profile = profile
         self.modules = list(blocks)
@@ -138,7 +176,7 @@ class StepBlocks:
         for s, in_bytes, module in zip(spans, input_bytes, blocks):
             calls = [i for i in range(s.start, s.end) if records[i].saveable]
 
-            def kept(saved, in_bytes=in_bytes, span=s):
+            def held(saved, span=s):
                 # A saved call's storage stays if autograd saves it, or if a
                 # call the region replays reads it (the tape holds a replay's
                 # inputs that it cannot rebuild). A call that makes no new
@@ -150,7 +188,7 @@ class StepBlocks:
                     if i not in chosen and records[i].new_storages
                     for st in records[i].inputs
                 }
-                held = {
+                return {
                     st
                     for i in saved
                     for st in records[i].storages
@@ -158,7 +196,9 @@ class StepBlocks:
                     and (storages[st].saved_by_autograd or st in read_by_replayed)
                     and st not in boundaries
                 }
-                return in_bytes + sum(storages[st].nbytes for st in held)
+
+            def kept(saved, in_bytes=in_bytes):
+                return in_bytes + sum(storages[st].nbytes for st in held(saved))
 
             every = range(s.start, s.end)
             full_seconds = sum(records[i].seconds for i in every)
@@ -176,9 +216,26 @@ class StepBlocks:
             # cache a call's output at the call, PyTorch's SAC and the
             # drop-in, cannot; a plan runs as a region.)
             options = [option("keep all", every)]
-            options.append(
-                option("matmuls", [i for i in calls if records[i].op._schema.name in MATMULS])
-            )
+            matmuls = [i for i in calls if records[i].op._schema.name in MATMULS]
+            options.append(option("matmuls", matmuls))
+            if offload is not None and matmuls:
+                # The matmuls' own outputs go to the host; what else they
+                # keep (an input, a boundary) stays.
+                made = {st for i in matmuls for st in records[i].new_storages}
+                moved = sum(storages[st].nbytes for st in held(matmuls) & made)
+                if moved:
+                    base_option, _ = options[-1]
+                    options.append(
+                        (
+                            ChainOption(
+                                OFFLOAD_MATMULS,
+                                base_option.kept - moved,
+                                base_option.seconds + offload.exposed_seconds(moved, full_seconds),
+                                min(offload.prefetch_bytes, moved),
+                            ),
+                            sorted(matmuls),
+                        )
+                    )
             activation = kept(every)
             for share in KNAPSACK_SHARES:
                 options.append(
@@ -231,6 +288,17 @@ class StepBlocks:
                 saved.update(names[choice.option])
         return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
 
+    def offloaded_calls(self, choices: list[BlockChoice]) -> list[tuple[str, int]]:
+        """Of :meth:`saved_calls`, those kept in host memory (the blocks
+        whose option is :data:`OFFLOAD_MATMULS`)."""
+        records = self.profile.records
+        moved = set()
+        for block, choice in enumerate(choices):
+            if choice.option == OFFLOAD_MATMULS:
+                names = {o.name: calls for o, calls in self.options[block]}
+                moved.update(names[OFFLOAD_MATMULS])
+        return sorted((op_name(records[i].op), records[i].call_index) for i in moved)
+
     def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
         """The choices of a hand-written recipe: every block keeping option
         ``name``, or (``every`` > 1) segments of ``every`` blocks."""
@@ -252,7 +320,7 @@ def _distinct(options):
     """Options saving the same calls once (the first name kept)."""
     seen, kept = set(), []
     for option, saved in options:
-        key = tuple(saved)
+        key = (option.name == OFFLOAD_MATMULS, tuple(saved))
         if key not in seen:
             seen.add(key)
             kept.append((option, saved))

@@ -489,6 +489,7 @@ def plan_peak(
     *,
     peak_bytes: int,
     blocks: str | Sequence[torch.nn.Module] | None = "auto",
+    offload: bool | None = None,
 ) -> PeakPlan:
     r"""A plan for one region around the whole step, within a peak memory.
 
@@ -520,6 +521,13 @@ def plan_peak(
             largest model ``fn`` refers to; a list of modules plans over
             those (each must run once per step, one after the other);
             ``None`` plans the step as one chain of op calls only.
+        offload: whether a block may keep its matmuls' outputs in host
+            memory (``plan.offloaded``; :mod:`torch_sac.offload`), chosen
+            where the copies' time that compute cannot hide, on the
+            bandwidth measured before planning, costs less than
+            recomputing. ``None`` (default): where the step runs on a GPU.
+            ``True`` on the CPU needs ``torch_sac.offload.using(cpu_stand_in=True)``
+            (tests: its copies are synchronous, so they cost their whole time).
 
     Returns:
         A :class:`~torch_sac.PeakPlan`: run it with
@@ -557,7 +565,9 @@ def plan_peak(
     check_callable(fn, where)
     args, kwargs = check_examples(example_args, example_kwargs, where)
     blocks = check_blocks(blocks, where)
-    return plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks)
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(f"torch_sac.{where}: offload must be None, True or False, got {offload!r}")
+    return plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks, offload)
 
 
 def budget(

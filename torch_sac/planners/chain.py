@@ -61,11 +61,16 @@ SLOTS = 400
 @dataclasses.dataclass(frozen=True)
 class ChainOption:
     """What a block keeps when it ends its own segment: ``kept`` bytes
-    (its input included), ``seconds`` of replay in backward."""
+    (its input included), ``seconds`` of replay in backward (and of copies
+    to and from host memory that compute cannot hide), and
+    ``backward_extra`` bytes its backward holds beyond the block's
+    activations (an offload option: the next block's tensors prefetched
+    meanwhile)."""
 
     name: str
     kept: int
     seconds: float
+    backward_extra: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,27 +136,33 @@ def _grads_after(blocks):
 
 
 def _segments(blocks, choices):
-    """``(j, e, kept)`` for each segment ``[j..e]`` of ``choices``: what
-    forward keeps of it (its option's bytes, or only its input)."""
-    kept_by_name = {(j, o.name): o.kept for j, b in enumerate(blocks) for o in b.options}
+    """``(j, e, kept, extra)`` for each segment ``[j..e]`` of ``choices``:
+    what forward keeps of it (its option's bytes, or only its input), and
+    what its backward holds beyond its activations (its option's
+    ``backward_extra``; none for a segment of several blocks)."""
+    options = {(j, o.name): o for j, b in enumerate(blocks) for o in b.options}
     j = 0
     while j < len(blocks):
         e = choices[j].segment[1]
-        yield j, e, kept_by_name[(j, choices[j].option)] if e == j else blocks[j].input_bytes
+        if e == j:
+            option = options[(j, choices[j].option)]
+            yield j, e, option.kept, option.backward_extra
+        else:
+            yield j, e, blocks[j].input_bytes, 0
         j = e + 1
 
 
 def kept_bytes(blocks, choices):
     """What forward keeps of the blocks under ``choices``."""
-    return sum(kept for _, _, kept in _segments(blocks, choices))
+    return sum(kept for _, _, kept, _ in _segments(blocks, choices))
 
 
 def model_peak(blocks, choices, base, forward_base):
     """The modelled peak of ``choices`` (a list of :class:`BlockChoice`)."""
     grads_after = _grads_after(blocks)
     kept_before, peak = 0, 0
-    for j, e, kept in _segments(blocks, choices):
-        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e))
+    for j, e, kept, extra in _segments(blocks, choices):
+        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e) + extra)
         kept_before += kept
     return max(peak, forward_base + kept_before)
 
@@ -202,19 +213,20 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
                 break
             if e == j:
                 alternatives = [
-                    (k, o.seconds, to_slots(o.kept)) for k, o in enumerate(blocks[j].options)
+                    (k, o.seconds, to_slots(o.kept), to_slots(held + o.backward_extra))
+                    for k, o in enumerate(blocks[j].options)
                 ]
             else:
                 # The segment start replays all of itself too: its seconds
                 # are those of keeping only its input.
-                alternatives = [(-1, replay, to_slots(blocks[j].input_bytes))]
-            for k, seconds, kept in alternatives:
-                if kept > slots:
+                alternatives = [(-1, replay, to_slots(blocks[j].input_bytes), need)]
+            for k, seconds, kept, option_need in alternatives:
+                if kept > slots or option_need > slots:
                     continue
-                # m slots left: this segment needs `need`, and leaves m - kept.
+                # m slots left: this segment needs `option_need`, and leaves m - kept.
                 rest = np.full(slots + 1, np.inf)
                 rest[kept:] = cost[e + 1][: slots + 1 - kept]
-                total = np.where(memory >= max(need, kept), seconds + rest, np.inf)
+                total = np.where(memory >= max(option_need, kept), seconds + rest, np.inf)
                 better = total < best
                 if better.any():
                     best = np.where(better, total, best)

@@ -14,18 +14,20 @@ from ..schedule import ReplaySchedule, as_call, read_json, write_json
 
 __all__ = ["PeakPlan"]
 
-# The format of to_dict()'s output. 3: "blocks", the option of each block
-# of a plan over the step's blocks (null otherwise). 2: the replays are
+# The format of to_dict()'s output. 4: "offloaded", the saved calls kept in
+# host memory (null: none). 3: "blocks", the option of each block of a plan
+# over the step's blocks (null otherwise). 2: the replays are
 # "replayed_ops" and "replay_seconds" (1 said "recomputed_ops" and
 # "recompute_seconds", the drop-in's former words). from_dict reads all
-# three.
-FORMAT = "torch_sac.peak_plan/3"
+# four.
+FORMAT = "torch_sac.peak_plan/4"
 _OLD_FORMATS = {
     "torch_sac.peak_plan/1": {
         "recomputed_ops": "replayed_ops",
         "recompute_seconds": "replay_seconds",
     },
     "torch_sac.peak_plan/2": {},
+    "torch_sac.peak_plan/3": {},
 }
 
 
@@ -68,9 +70,12 @@ class PeakPlan(RegionPlan):
         blocks: for a ``"block chain"`` plan, what each block of the step
             keeps, in call order: ``"keep all"``, ``"matmuls"``,
             ``"knapsack N%"`` (the budget planner's choice at N % of the
-            block's activations), ``"input"`` (checkpointed), or
+            block's activations), ``"input"`` (checkpointed),
+            ``"offload matmuls"`` (the matmuls' outputs in host memory), or
             ``"segment start"`` / ``"in segment"`` (several blocks
             checkpointed as one, as ``checkpoint_sequential``); else None.
+        offloaded: of :attr:`saved`, the calls kept in host memory
+            (``PREFER_OFFLOAD``; :mod:`torch_sac.offload`), or None.
         solve_seconds: time the region spent choosing what rebuilds keep.
         measure_seconds: the time of the measured runs that found the plan.
         planning_runs: how many times planning called ``fn`` (forward and
@@ -131,6 +136,7 @@ class PeakPlan(RegionPlan):
         measure_seconds: float,
         runs: int,
         blocks: list[str] | None = None,
+        offloaded: list[tuple[str, int]] | None = None,
     ) -> None:
         self.peak_bytes = peak_bytes
         self.measured_peak = measured_peak
@@ -147,6 +153,7 @@ class PeakPlan(RegionPlan):
         self.measure_seconds = measure_seconds
         self.planning_runs = runs
         self.blocks = None if blocks is None else list(blocks)
+        self.offloaded = None if not offloaded else list(offloaded)
 
     @property
     def recomputed_ops(self) -> int:
@@ -168,10 +175,11 @@ class PeakPlan(RegionPlan):
         return self.solver in ("none needed", "optimal reversal")
 
     def policy(self) -> _C.OpPolicy:
-        """The forward policy: saves exactly :attr:`saved` (decided in C++)."""
+        """The forward policy: saves exactly :attr:`saved`, offloading
+        :attr:`offloaded` of them (decided in C++)."""
         if self.saved is None:
             return _C.save_all()
-        return ReplaySchedule([], self.saved).policy()
+        return ReplaySchedule([], self.saved).policy(self.offloaded or ())
 
     def summary(self) -> dict[str, Any]:
         """The plan in a few numbers (a dict)."""
@@ -181,6 +189,7 @@ class PeakPlan(RegionPlan):
             "no_checkpoint_peak": self.no_checkpoint_peak,
             "replay_budget": None if self.replay_budget is None else self.replay_budget.bytes,
             "saved_calls": None if self.saved is None else len(self.saved),
+            "offloaded_calls": len(self.offloaded or ()),
             "replayed_ops": self.replayed_ops,
             "replay_seconds": self.replay_seconds,
             "forward_seconds": self.forward_seconds,
@@ -215,6 +224,11 @@ class PeakPlan(RegionPlan):
         ]
         if self.blocks is not None:
             lines.append(f"  blocks: {block_runs(self.blocks)}")
+        if self.offloaded:
+            lines.append(
+                f"  offloaded to host memory: {len(self.offloaded)} of the "
+                f"{len(self.saved)} calls forward keeps"
+            )
         rows = []
         for op, replays in self.replays_by_op.items():
             rows.append(
@@ -233,7 +247,12 @@ class PeakPlan(RegionPlan):
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            **{k: v for k, v in self.summary().items() if k not in ("saved_calls", "optimal")},
+            **{
+                k: v
+                for k, v in self.summary().items()
+                if k not in ("saved_calls", "offloaded_calls", "optimal")
+            },
+            "offloaded": None if self.offloaded is None else [list(c) for c in self.offloaded],
             "replay_budget": None if self.replay_budget is None else list(self.replay_budget),
             "saved": None if self.saved is None else [list(c) for c in self.saved],
             "schedule": self.schedule.to_dict(),
@@ -289,9 +308,16 @@ class PeakPlan(RegionPlan):
                 f"torch_sac.PeakPlan.from_dict: blocks must be null or a list of option names, "
                 f"got {blocks!r}"
             )
+        offloaded = data.get("offloaded")
+        if offloaded is not None and not isinstance(offloaded, (list, tuple)):
+            raise ValueError(
+                "torch_sac.PeakPlan.from_dict: offloaded must be null or a list of "
+                f"[op, call_index], got {offloaded!r}"
+            )
         return cls(
             **{k: data[k] for k in names[:11]},
             blocks=blocks,
+            offloaded=None if offloaded is None else [as_call(c) for c in offloaded],
             replay_budget=None if budget is None else ReplayBudget(*budget),
             saved=None if saved is None else [as_call(c) for c in saved],
             schedule=ReplaySchedule.from_dict(data["schedule"]),

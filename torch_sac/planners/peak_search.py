@@ -45,11 +45,11 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import _C, memory
+from .. import _C, memory, offload
 from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
-from .block_options import NotAChain, StepBlocks, chain_spans, find_step_blocks
+from .block_options import NotAChain, OffloadModel, StepBlocks, chain_spans, find_step_blocks
 from .chain import kept_bytes, model_peak, solve_chain
 from .peak_plan import PeakPlan
 from .region_numbering import region_call_names, renumber
@@ -246,10 +246,11 @@ class _Candidate:
     budget: ``optimal`` may hold, see :func:`_solver`); a plan of the chain
     solver has its ``blocks`` (the option of each block) instead."""
 
-    def __init__(self, run, saved, budget, sweep, optimal=True, blocks=None):
+    def __init__(self, run, saved, budget, sweep, optimal=True, blocks=None, offloaded=None):
         self.run, self.saved, self.budget, self.sweep = run, saved, budget, sweep
         self.optimal = optimal
         self.blocks = blocks
+        self.offloaded = offloaded  # of ``saved``, the calls kept in host memory
 
 
 class Planner:
@@ -257,9 +258,10 @@ class Planner:
     (for the plan's run count and time), every plan it measured is a
     candidate, and it calls fn at most :data:`MAX_PLANNING_RUNS` times."""
 
-    def __init__(self, fn, args, kwargs, peak_bytes, where, state, blocks="auto"):
+    def __init__(self, fn, args, kwargs, peak_bytes, where, state, blocks="auto", offload=None):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.blocks = blocks
+        self.offload = offload  # None: where the step runs on a GPU; True; False
         self.chain_note = None  # why the chain solver made no plan
         self.max_runs = MAX_PLANNING_RUNS
         self.peak_bytes, self.where, self.state = peak_bytes, where, state
@@ -330,7 +332,31 @@ class Planner:
         renumber(
             profile, self.forward_run(lambda: region_call_names(self.fn, self.args, self.kwargs))
         )
-        return StepBlocks(profile, blocks)
+        return StepBlocks(profile, blocks, self.offload_model())
+
+    def offload_model(self):
+        """The cost of offloading on the step's device (measured bandwidth),
+        or None where the plan may not offload: ``offload=False``, or
+        ``None`` and the step does not run on a GPU."""
+        if self.offload is False:
+            return None
+        options = offload.options()
+        usable = self.device.type == "cuda" or (self.device.type == "cpu" and options.cpu_stand_in)
+        if self.offload is None and self.device.type != "cuda":
+            return None
+        if not usable:
+            raise ValueError(
+                f"torch_sac.{self.where}: offload=True, but the step runs on {self.device}: "
+                "offloading moves CUDA tensors to host memory (for tests on the CPU, enter "
+                "torch_sac.offload.using(cpu_stand_in=True) first)"
+            )
+        bandwidth = offload.measure_bandwidth(self.device)
+        return OffloadModel(
+            d2h_bytes_per_s=bandwidth["d2h_bytes_per_s"],
+            h2d_bytes_per_s=bandwidth["h2d_bytes_per_s"],
+            overlaps=self.device.type == "cuda",
+            prefetch_bytes=options.prefetch_bytes,
+        )
 
     def forward_run(self, call):
         """``call()``, a forward of fn that is not a measured step (the
@@ -381,15 +407,22 @@ class Planner:
             else:
                 choices, seconds = list(solution.choices), solution.seconds
             saved = step.saved_calls(choices)
-            if saved in tried:
+            offloaded = step.offloaded_calls(choices)
+            if (saved, offloaded) in tried:
                 break
-            tried.append(saved)
-            run = self.run(ReplaySchedule([], saved).policy())
+            tried.append((saved, offloaded))
+            run = self.run(ReplaySchedule([], saved).policy(offloaded))
             if run.peak <= peak_bytes:
                 if seconds < best_seconds:
                     best_seconds = seconds
                     best = _Candidate(
-                        run, saved, None, None, optimal=False, blocks=[c.option for c in choices]
+                        run,
+                        saved,
+                        None,
+                        None,
+                        optimal=False,
+                        blocks=[c.option for c in choices],
+                        offloaded=offloaded or None,
                     )
                 if peak_bytes - run.peak <= resolution:
                     break
@@ -585,7 +618,7 @@ class Planner:
         )
 
 
-def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto"):
+def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto", offload=None):
     """Finds a :class:`PeakPlan` for ``fn(*args, **kwargs)`` under ``peak_bytes``."""
     if (
         isinstance(peak_bytes, bool)
@@ -601,7 +634,7 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto"):
     state = StepState()
     try:
         state.find(fn, args, kwargs)
-        return _find_plan(Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks))
+        return _find_plan(Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks, offload))
     finally:
         state.restore()
 
@@ -692,4 +725,5 @@ def _plan(planner, plain, best, solver):
         measure_seconds=sum(r.seconds for r in planner.measured),
         runs=len(planner.measured),
         blocks=best.blocks,
+        offloaded=best.offloaded,
     )
