@@ -801,3 +801,31 @@ def test_saved_calls_policy_offloads_the_listed_calls():
     assert policy.num_saved_calls == 2 and policy.num_offloaded_calls == 1
     with pytest.raises(ValueError, match="both as saved and as offloaded"):
         torch_sac._C.SavedCallsPolicy([("aten::mm", "", 0)], "", offloaded=[("aten::mm", "", 0)])
+
+
+def test_write_in_another_region_after_offload_keeps_the_replay_exact(stand_in):
+    """Found by the fuzzer: a replay input offloaded by one region, written
+    in place (no_grad) in the next region, which sees the write and orders
+    it after the copy: the replay reads the host copy, as plain autograd
+    (which saved exp's output) needs no error here."""
+    from models import ScaledTanhFn
+
+    g = torch.Generator().manual_seed(0)
+    v2 = torch.randn((2, 3, 4), generator=g, dtype=torch.float64).requires_grad_()
+    offload_bmm = lambda ctx, op, *a, **k: (  # noqa: E731
+        Policy.PREFER_OFFLOAD if op is aten.bmm.default else Policy.PREFER_RECOMPUTE
+    )
+
+    def program(region):
+        with region():
+            v4 = torch.bmm(v2, v2.transpose(1, 2))
+            v5 = torch.exp(v4)  # exp's output dropped: its replay reads v4
+            v7 = ScaledTanhFn.apply(v5, v5)
+        with region():
+            with torch.no_grad():
+                v4.add_(1.0)
+            return (v4 + v7).sum()
+
+    (want,) = torch.autograd.grad(program(contextlib.nullcontext), [v2])
+    (got,) = torch.autograd.grad(program(lambda: torch_sac.sac_context(offload_bmm)), [v2])
+    assert_same([got], [want])

@@ -47,6 +47,10 @@ class OffloadedStorage : public std::enable_shared_from_this<OffloadedStorage> {
   // the original, even while someone keeps it alive, and no later offload
   // of the storage may share this copy.
   bool written = false;
+  // The first such write found the tensor at its offloaded version: the
+  // host copy (made or waited for before that write) holds the offloaded
+  // value, so a reload may ignore the version having moved since.
+  bool copy_before_writes = false;
   // Recorded on the stream current when it was offloaded (the stream that
   // made it), for a copy out started later (a staged one).
   std::optional<c10::Event> produced;
@@ -108,6 +112,14 @@ class Offloader {
   OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op);
   c10::Storage reload(OffloadedStorage& s, bool* consumed);
   void release_consumer(OffloadedStorage& s);
+  // Whether the host copy holds the value offloaded at `version` though the
+  // tensor's version moved: every write since was seen (before_write) and
+  // ordered after the copy.
+  bool host_copy_holds(OffloadedStorage& s, uint32_t version) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return s.copy_before_writes && s.version == version &&
+        s.where != OffloadedStorage::Where::Staged;
+  }
   void before_write(const c10::StorageImpl* storage);
   void forget(OffloadedStorage& s);
   bool active() const {
@@ -498,6 +510,9 @@ void Offloader::before_write(const c10::StorageImpl* storage) {
     return;
   }
   OffloadedStorage& s = *it->second;
+  if (!s.written) {
+    s.copy_before_writes = current_version(s.version_counter) == s.version;
+  }
   s.written = true;
   if (s.where == OffloadedStorage::Where::Staged) {
     copy_out_locked(s); // ordered before the write on the compute stream
@@ -653,6 +668,10 @@ void before_write(const c10::StorageImpl* storage) {
 
 bool active() {
   return Offloader::get().active();
+}
+
+bool OffloadedTensor::host_copy_holds_offloaded_value() const {
+  return storage_ && Offloader::get().host_copy_holds(*storage_, version_);
 }
 
 void OffloadedTensor::prefetch() const {

@@ -110,6 +110,11 @@ class OffloadedTensor {
   // modified in place since it was offloaded, unless `check_version` is
   // false (the caller knows the host copy holds the value it needs).
   at::Tensor reload(bool check_version = true) const;
+  // Whether the host copy still holds the value offloaded although the
+  // tensor was written since: every write came through before_write, after
+  // the copy. A replay reading this input may then skip the version check
+  // (autograd's own saved tensors may not: autograd would raise).
+  bool host_copy_holds_offloaded_value() const;
   // Starts the copy back to the device now, within the prefetch budget (a
   // region that will consume it soon: the drop-in's recompute).
   void prefetch() const;

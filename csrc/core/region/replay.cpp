@@ -168,9 +168,12 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
     auto resolve = [&](const ArgSlot& slot) -> at::Tensor {
       if (slot.offloaded.defined()) {
         // As check_held: a change after forward is an error unless cache
-        // entries may be mutated; then the host copy holds forward's value.
+        // entries may be mutated, or the host copy is known to hold the
+        // value read (the write was seen, in this region or another, after
+        // the copy); then the host copy is forward's value.
         return slot.offloaded.reload(
-            /*check_version=*/!slot.preserved && !allow_cache_entry_mutation_);
+            /*check_version=*/!slot.preserved && !allow_cache_entry_mutation_ &&
+            !slot.offloaded.host_copy_holds_offloaded_value());
       }
       if (slot.held.defined()) {
         check_held(slot, entry);
