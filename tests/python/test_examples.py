@@ -72,6 +72,7 @@ def test_bench_gpu_runs_tiny_on_the_cpu():
     ]
     assert "offloaded" in row and "bitwise" in row, row
     assert "| torchtune-style offload per block (reference) |" in out
+    assert "| peak plan with offload 0.5x no-ckpt peak |" in out
 
 
 # The benches run a worker per adapter themselves: once is enough.
