@@ -829,3 +829,16 @@ def test_write_in_another_region_after_offload_keeps_the_replay_exact(stand_in):
     (want,) = torch.autograd.grad(program(contextlib.nullcontext), [v2])
     (got,) = torch.autograd.grad(program(lambda: torch_sac.sac_context(offload_bmm)), [v2])
     assert_same([got], [want])
+
+
+def test_frontier_with_offload(stand_in, mlp_step):
+    """frontier(offload=True): the offload recipe is measured beside the
+    others, and plans may offload (at 0.7x here they do)."""
+    loss, _ = mlp_step
+    curve = torch_sac.policies.frontier(loss, fractions=(0.7,), rounds=1, offload=True)
+    labels = [p.label for p in curve.points]
+    assert "torch_sac offload_matmuls per block" in labels
+    planned = [p for p in curve.points if p.kind == "plan" and p.blocks]
+    assert any("offload matmuls" in p.blocks for p in planned), curve.table()
+    with pytest.raises(TypeError, match="offload must be None, True or False"):
+        torch_sac.policies.frontier(loss, offload=1)

@@ -171,6 +171,7 @@ class StepBlocks:
                 # Made outside the blocks (kept anyway) or outside the step.
                 self.input_calls.append(None)
                 input_bytes.append(0)
+        self.offloads = offload is not None  # whether blocks have the offload option
         self.options = []  # per block: [(ChainOption, saved record indices)]
         chain = []
         for s, in_bytes, module in zip(spans, input_bytes, blocks):

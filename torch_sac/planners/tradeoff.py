@@ -228,6 +228,10 @@ def _own_matmuls(forward, *args, **kwargs):
     return sac_checkpoint(forward, *args, policy=_C.save_matmuls(), **kwargs)
 
 
+def _own_offload_matmuls(forward, *args, **kwargs):
+    return sac_checkpoint(forward, *args, policy=_C.offload_matmuls(), **kwargs)
+
+
 def frontier(
     fn: Callable[..., Any],
     example_args: Sequence[Any] = (),
@@ -237,6 +241,7 @@ def frontier(
     blocks: str | Sequence[torch.nn.Module] = "auto",
     recipes: bool = True,
     rounds: int = 3,
+    offload: bool | None = None,
 ) -> Frontier:
     r"""Measures the trade-off between peak memory and step time of a step
     with repeated blocks: plans over its blocks (as
@@ -258,6 +263,10 @@ def frontier(
             refers to) or a list of modules.
         recipes: measure the recipes too.
         rounds: timed runs of each point (medians are reported).
+        offload: whether plans may keep blocks' matmul outputs in host
+            memory, as for :func:`~torch_sac.policies.plan_peak` (default:
+            where the step runs on a GPU); then the recipes include
+            ``torch_sac offload_matmuls per block`` too.
 
     Returns:
         A :class:`Frontier`: ``print(f.table())``, ``f.plot("frontier.png")``.
@@ -289,19 +298,23 @@ def frontier(
         raise ValueError(f"torch_sac.{where}: fractions must be in (0, 1], got {fractions!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"torch_sac.{where}: rounds must be an int >= 1, got {rounds!r}")
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(f"torch_sac.{where}: offload must be None, True or False, got {offload!r}")
     if in_region():
         raise RuntimeError(f"torch_sac.{where}: a sac_context is open on this thread")
     state = StepState()
     try:
         state.find(fn, args, kwargs)
-        return _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds)
+        return _measure_frontier(
+            fn, args, kwargs, state, blocks, fractions, recipes, rounds, offload
+        )
     finally:
         state.restore()
 
 
-def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds):
+def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, rounds, offload):
     where = "policies.frontier"
-    planner = Planner(fn, args, kwargs, 1, where, state, blocks)
+    planner = Planner(fn, args, kwargs, 1, where, state, blocks, offload)
     planner.max_runs = math.inf
     plain = planner.plain_run()
     step = planner.step_blocks()
@@ -314,8 +327,9 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     n = len(step.chain)
     points = [FrontierPoint("no checkpointing", "none")]
 
-    def region_point(label, kind, saved, **extra):
-        return FrontierPoint(label, kind, policy=ReplaySchedule([], saved).policy(), **extra)
+    def region_point(label, kind, saved, offloaded=(), **extra):
+        policy = ReplaySchedule([], saved).policy(offloaded or ())
+        return FrontierPoint(label, kind, policy=policy, **extra)
 
     if recipes:
         every_block = lambda i: _torch_checkpoint  # noqa: E731
@@ -343,6 +357,14 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                 install=lambda: _wrapped(modules, lambda i: _own_matmuls),
             ),
         ]
+        if step.offloads:
+            points.append(
+                FrontierPoint(
+                    "torch_sac offload_matmuls per block",
+                    "recipe",
+                    install=lambda: _wrapped(modules, lambda i: _own_offload_matmuls),
+                )
+            )
         k = max(2, round(math.sqrt(n)))
         points.append(
             region_point(f"segments of {k} blocks", "recipe", step.saved_calls(step.recipe("", k)))
@@ -359,7 +381,7 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
             # What plan_peak returns there: below what the blocks reach its
             # multiple recomputation, and at their floor the better of that
             # and the plan over blocks (already a point when it wins).
-            plan = _plan_peak(fn, args, kwargs, target)
+            plan = _plan_peak(fn, args, kwargs, target, offload)
             if plan is not None and (candidate is None or plan.solver != "block chain"):
                 point = FrontierPoint(
                     f"{label} ({plan.solver})",
@@ -373,11 +395,18 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                 points.append(point)
             if candidate is None:
                 continue
-        key = tuple(candidate.saved)
+        key = (tuple(candidate.saved), tuple(candidate.offloaded or ()))
         if key in seen:
             seen[key].also_for.append(label)
             continue
-        point = region_point(label, "plan", candidate.saved, target=target, blocks=candidate.blocks)
+        point = region_point(
+            label,
+            "plan",
+            candidate.saved,
+            candidate.offloaded,
+            target=target,
+            blocks=candidate.blocks,
+        )
         point.peak = candidate.run.peak
         seen[key] = point
         points.append(point)
@@ -387,10 +416,10 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
     return Frontier(points, rounds)
 
 
-def _plan_peak(fn, args, kwargs, target):
+def _plan_peak(fn, args, kwargs, target, offload=None):
     """What ``plan_peak`` returns for ``target``, or None where it refuses."""
     try:
-        return plan_for_peak(fn, args, kwargs, target, "policies.frontier")
+        return plan_for_peak(fn, args, kwargs, target, "policies.frontier", offload=offload)
     except ValueError:  # below the least peak measured
         return None
 
