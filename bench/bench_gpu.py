@@ -292,14 +292,17 @@ def make_rows():
 
         return install
 
-    def dropin(model, layers):
-        ctx = functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.save_matmuls()
-        )
-        return wrap_layers(
-            layers,
-            lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
-        )
+    def dropin(policy_factory):
+        def install(model, layers):
+            ctx = functools.partial(
+                torch_sac.create_selective_checkpoint_contexts, policy_factory()
+            )
+            return wrap_layers(
+                layers,
+                lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
+            )
+
+        return install
 
     def apply_sac(model, layers):
         handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
@@ -321,27 +324,21 @@ def make_rows():
         hooks = OffloadEverything()
         return wrap_layers(layers, in_context(lambda: hooks))
 
-    def dropin_offload(model, layers):
-        ctx = functools.partial(
-            torch_sac.create_selective_checkpoint_contexts, torch_sac.policies.offload_matmuls()
-        )
-        return wrap_layers(
-            layers,
-            lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False, context_fn=ctx),
-        )
-
     return [
         Row("no checkpointing"),
         Row("torch.utils.checkpoint per block", torch_ckpt),
         Row("PyTorch SAC, save matmuls", torch_sac_baseline),
         Row("torch_sac region, save_matmuls", region(torch_sac.policies.save_matmuls)),
         Row("torch_sac region, recompute_all", region(torch_sac.policies.recompute_all)),
-        Row("drop-in (checkpoint + torch_sac ctx), save_matmuls", dropin),
+        Row(
+            "drop-in (checkpoint + torch_sac ctx), save_matmuls",
+            dropin(torch_sac.policies.save_matmuls),
+        ),
         Row("apply_sac, save_matmuls", apply_sac),
         Row("save_on_cpu(pin_memory) per block", save_on_cpu),
         Row("torchtune-style offload per block (reference)", torchtune_style),
         Row("torch_sac region, offload_matmuls", region(torch_sac.policies.offload_matmuls)),
-        Row("drop-in, offload_matmuls", dropin_offload),
+        Row("drop-in, offload_matmuls", dropin(torch_sac.policies.offload_matmuls)),
         Row("peak plan at per-block checkpoint's peak", plan_fraction=PER_BLOCK),
         Row("peak plan 0.5x no-ckpt peak", plan_fraction=0.5),
         Row("peak plan 0.35x no-ckpt peak", plan_fraction=0.35),

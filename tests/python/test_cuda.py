@@ -798,19 +798,22 @@ def backward_on_another_thread(loss):
     assert not errors, f"backward on another thread raised: {errors[0]!r}"
 
 
+@pytest.mark.parametrize("policy_name", ["recompute_all", "offload_matmuls"])
 @pytest.mark.parametrize("engine", ["region", "dropin"])
-def test_backward_on_another_thread(engine):
+def test_backward_on_another_thread(engine, policy_name):
     """Forward on this thread, backward on another (its own current stream
-    on CUDA: the default one, here under a second stream)."""
+    on CUDA: the default one, here under a second stream); with offloaded
+    matmul outputs too (the reloads' events waited on by that stream)."""
     model = make_net()
     x = randn(*NET_SHAPE, seed=7)
     ref = run_step(model, x)
     model.zero_grad(set_to_none=True)
     xin = x.detach().requires_grad_()
-    rec = Recorder(engine, torch_sac.policies.recompute_all())
+    rec = Recorder(engine, HF_POLICIES[policy_name]())
     torch.manual_seed(RUN_SEED)
-    loss = loss_of(model(xin, rec))
-    backward_on_another_thread(loss)
+    with offload_everything() if policy_name == "offload_matmuls" else contextlib.nullcontext():
+        loss = loss_of(model(xin, rec))
+        backward_on_another_thread(loss)
     got = {"loss": loss.detach(), "x.grad": xin.grad}
     got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
     got["rng"] = rng_state()
@@ -1246,14 +1249,19 @@ OFFLOAD_POLICIES = {
 }
 
 
+def offload_everything():
+    """Every eligible tensor offloaded (no size threshold, nothing kept on
+    the device at the end of forward); the CPU stand-in in the dry run."""
+    return torch_sac.offload.using(
+        min_bytes=0, keep_last_bytes=0, prefetch_bytes=64 << 20, cpu_stand_in=not ON_CUDA
+    )
+
+
 @pytest.fixture
 def offloading():
-    """Every eligible tensor offloaded (no size threshold, nothing kept on
-    the device at the end of forward); the CPU stand-in in the dry run.
-    Afterwards no host range is in use: nothing leaked."""
-    with torch_sac.offload.using(
-        min_bytes=0, keep_last_bytes=0, prefetch_bytes=64 << 20, cpu_stand_in=not ON_CUDA
-    ):
+    """offload_everything() for one test; afterwards no host range is in
+    use: nothing leaked."""
+    with offload_everything():
         yield
     import gc
 
@@ -1392,22 +1400,6 @@ def test_offload_frees_device_memory_and_reuses_the_pool(offloading):
     # The last tanh output is the region's output: alive either way.
     assert saved - offloaded >= 5 * step_bytes
     assert chunks[0] == chunks[-1], chunks
-
-
-@pytest.mark.parametrize("engine", ["region", "dropin"])
-def test_offload_backward_on_another_thread(offloading, engine):
-    model = make_net()
-    x = randn(*NET_SHAPE, seed=1)
-    model.zero_grad(set_to_none=True)
-    xin = x.detach().requires_grad_()
-    rec = Recorder(engine, torch_sac.policies.offload_matmuls())
-    torch.manual_seed(RUN_SEED)
-    loss = loss_of(model(xin, rec))
-    backward_on_another_thread(loss)
-    got = {"loss": loss.detach(), "x.grad": xin.grad}
-    got.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
-    got["rng"] = rng_state()
-    assert_bitwise(got, net_reference(), f"offload, backward on another thread/{engine}")
 
 
 @pytest.mark.parametrize("engine", ["region", "dropin"])
