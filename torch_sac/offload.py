@@ -19,8 +19,8 @@ the same), or with :func:`torch_sac.policies.offload_matmuls` and
   offloaded raises autograd's error, as a saved tensor does.
 
 What cannot be offloaded: CPU tensors, views whose base another op made,
-list outputs, tensors without strided storage, and (for ``PREFER_OFFLOAD``)
-tensors below ``min_bytes``. ``PREFER_OFFLOAD`` saves them on the device
+tensors without strided storage, and (for ``PREFER_OFFLOAD``) tensors below
+``min_bytes``. ``PREFER_OFFLOAD`` saves them on the device
 (counted as ``offload_fallbacks`` in the engines' stats); ``MUST_OFFLOAD``
 raises, naming the op and why.
 

@@ -258,8 +258,8 @@ void SelectiveCache::begin_recompute() {
   for (OpRecord* record : first_seen_order_) {
     for (const Entry& entry : record->entries) {
       if (entry.state == EntryState::Cached) {
-        for (const auto& [position, tensor] : entry.cached->offloaded) {
-          offloaded.emplace_back(entry.position, &tensor);
+        for (const auto& o : entry.cached->offloaded) {
+          offloaded.emplace_back(entry.position, &o.tensor);
         }
       }
     }
@@ -315,29 +315,30 @@ void SelectiveCache::cache_outputs(
           return same_storage(in.storage, st);
         });
   };
-  for (const c10::IValue& out : outputs) {
-    // A Tensor output the op made anew goes to host memory; a view, a list
-    // element or an ineligible tensor stays on the device (PREFER_OFFLOAD).
-    if (offload && out.isTensor() && out.toTensor().defined()) {
-      const at::Tensor& t = out.toTensor();
-      if (new_storage(t) && offload::why_not_offloadable(t, options, must) == nullptr) {
-        cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
-        cached->offloaded.emplace_back(
-            cached->outputs.size(), offload::offload(t, version_of(t), record.facts->name));
-        cached->outputs.emplace_back(at::Tensor());
-        cached->offloaded_bytes += static_cast<int64_t>(t.storage().nbytes());
-        storages.push_back(storage_of(t));
-        continue;
+  for (size_t position = 0; position < outputs.size(); ++position) {
+    int32_t element = -1; // the tensor's place in the output, as map_tensors walks it
+    cached->outputs.push_back(map_tensors(outputs[position], [&](const at::Tensor& t) {
+      ++element;
+      if (!t.defined()) {
+        return cacheable(t, record.facts->returns_alias);
       }
-      ++stats_.offload_fallbacks;
-    }
-    cached->outputs.push_back(map_tensors(out, [&](const at::Tensor& t) {
-      if (t.defined()) {
-        cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
-        cached->bytes += tensor_bytes(t);
-        if (const c10::StorageImpl* st = storage_of(t)) {
-          storages.push_back(st);
+      // A tensor the op made anew goes to host memory; a view or an
+      // ineligible tensor stays on the device (PREFER_OFFLOAD).
+      if (offload) {
+        if (new_storage(t) && offload::why_not_offloadable(t, options, must) == nullptr) {
+          cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+          cached->offloaded.push_back(
+              {position, element, offload::offload(t, version_of(t), record.facts->name)});
+          cached->offloaded_bytes += static_cast<int64_t>(t.storage().nbytes());
+          storages.push_back(storage_of(t));
+          return at::Tensor(); // filled in by the reload at the cache hit
         }
+        ++stats_.offload_fallbacks;
+      }
+      cached->watched.push_back(t.unsafeGetTensorImpl()->version_counter());
+      cached->bytes += tensor_bytes(t);
+      if (const c10::StorageImpl* st = storage_of(t)) {
+        storages.push_back(st);
       }
       return cacheable(t, record.facts->returns_alias);
     }));
@@ -543,8 +544,7 @@ void CachingHandler::check_must_offload(
       const char* why = record.facts->returns_alias || on_an_input
           ? "it is a view of an input or an input written in place (offload the op that made "
             "the storage)"
-          : !out.isTensor() ? "it is part of a list output"
-                            : offload::why_not_offloadable(t, options, /*must=*/true);
+          : offload::why_not_offloadable(t, options, /*must=*/true);
       TORCH_CHECK_VALUE(
           why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", record.facts->name,
           ", but its output of shape ", t.sizes(), " on ", t.device(),
@@ -719,10 +719,15 @@ void CachedHandler::handle(
     check_cached_unchanged(record, call_index);
   }
   torch::jit::drop(*stack, num_args);
-  for (const auto& [position, offloaded] : entry.cached->offloaded) {
-    // Versions were checked above, against every alias forward saw (or
-    // mutation is allowed, and the host copy holds forward's value).
-    entry.cached->outputs[position] = offloaded.reload(/*check_version=*/false);
+  // Versions were checked above, against every alias forward saw (or
+  // mutation is allowed, and the host copy holds forward's value).
+  auto& cached_outputs = entry.cached->outputs;
+  for (const auto& o : entry.cached->offloaded) {
+    int32_t element = -1;
+    cached_outputs[o.output] = map_tensors(
+        cached_outputs[o.output], [&](const at::Tensor& t) -> at::Tensor {
+          return ++element == o.element ? o.tensor.reload(/*check_version=*/false) : t;
+        });
   }
   for (c10::IValue& out : entry.cached->outputs) {
     stack->push_back(std::move(out));

@@ -103,9 +103,15 @@ class SelectiveCache {
     // their own), and their versions when forward ended.
     std::vector<c10::VariableVersion> watched;
     std::vector<uint32_t> watched_versions;
-    // Outputs in host memory (an OFFLOAD decision): (position in `outputs`,
-    // left undefined there until recompute reloads it), and their bytes.
-    std::vector<std::pair<size_t, offload::OffloadedTensor>> offloaded;
+    // Tensors in host memory (an OFFLOAD decision): which output, which of
+    // its tensors (in map_tensors order: a list's elements), left undefined
+    // in `outputs` until recompute reloads it; and their bytes.
+    struct Offloaded {
+      size_t output;
+      int32_t element;
+      offload::OffloadedTensor tensor;
+    };
+    std::vector<Offloaded> offloaded;
     int64_t offloaded_bytes = 0;
   };
 

@@ -842,3 +842,22 @@ def test_frontier_with_offload(stand_in, mlp_step):
     assert any("offload matmuls" in p.blocks for p in planned), curve.table()
     with pytest.raises(TypeError, match="offload must be None, True or False"):
         torch_sac.policies.frontier(loss, offload=1)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_list_outputs_are_offloaded(stand_in, engine):
+    """A list output's tensors (``_foreach_exp``, whose backward saves them)
+    go to host memory in every engine, and come back in their places."""
+    xs = [torch.randn(4, 5, requires_grad=True) for _ in range(3)]
+
+    def fn():
+        return sum(y.sum() for y in torch._foreach_exp([x * 2 for x in xs]))
+
+    want = torch.autograd.grad(fn(), xs)
+    policy = lambda ctx, op, *a, **k: (  # noqa: E731
+        Policy.MUST_OFFLOAD if op is aten._foreach_exp.default else Policy.PREFER_RECOMPUTE
+    )
+    before = torch_sac.offload.stats()["offloaded"]
+    got = torch.autograd.grad(run(engine, fn, policy=policy), xs)
+    assert_same(list(got), list(want))
+    assert torch_sac.offload.stats()["offloaded"] - before == 3
