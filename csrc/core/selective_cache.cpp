@@ -541,16 +541,8 @@ void CachingHandler::check_must_offload(
           inputs.begin(), inputs.end(), [&](const SelectiveCache::InputSeen& in) {
             return SelectiveCache::same_storage(in.storage, storage_of(t));
           });
-      const char* why = record.facts->returns_alias || on_an_input
-          ? "it is a view of an input or an input written in place (offload the op that made "
-            "the storage)"
-          : offload::why_not_offloadable(t, options, /*must=*/true);
-      TORCH_CHECK_VALUE(
-          why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", record.facts->name,
-          ", but its output of shape ", t.sizes(), " on ", t.device(),
-          " cannot be offloaded: ", why,
-          ". Return PREFER_OFFLOAD (which keeps such outputs on the device) or MUST_SAVE "
-          "for this op.");
+      offload::check_must_offload(
+          record.facts->name, t, record.facts->returns_alias || on_an_input, options);
     });
   }
 }

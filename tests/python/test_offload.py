@@ -536,10 +536,6 @@ def test_profile_without_offload_has_no_offload_line():
 # --------------------------------------------------------------------------
 
 
-def _mm_policy(value):
-    return lambda ctx, op, *a, **k: value if op is aten.mm.default else Policy.PREFER_RECOMPUTE
-
-
 @pytest.mark.parametrize("write", ["foreach", "inference_mode"])
 def test_write_the_region_does_not_record_gets_a_new_copy(stand_in, write):
     """A write the region records no mutation for (a list write, one under
@@ -561,7 +557,7 @@ def test_write_the_region_does_not_record_gets_a_new_copy(stand_in, write):
 
     _, b = fn()
     want = torch.autograd.grad(b.sum(), [x, w])
-    with torch_sac.sac_context(_mm_policy(Policy.MUST_OFFLOAD)):
+    with torch_sac.sac_context(offload_op(aten.mm.default, must=True)):
         a, b = fn()
     assert_same(list(torch.autograd.grad(b.sum(), [x, w])), list(want))
 
@@ -580,9 +576,7 @@ def test_dropin_host_cap_leaves_the_call_to_recompute(stand_in):
             h = x + y
         return h.sin().sum()
 
-    policy = lambda ctx, op, *a, **k: (  # noqa: E731
-        Policy.MUST_OFFLOAD if op is aten.add.Tensor else Policy.PREFER_RECOMPUTE
-    )
+    policy = offload_op(aten.add.Tensor, must=True)
     want = torch.autograd.grad(fn(), [x, y])
     with torch_sac.offload.using(host_limit_bytes=256):
         context_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, policy)
@@ -650,7 +644,7 @@ def test_allow_cache_entry_mutation_reads_the_host_copy(stand_in, engine):
     with torch.no_grad():
         h.mul_(3)
     want = torch.autograd.grad(loss, [x, w])
-    policy = _mm_policy(Policy.MUST_OFFLOAD)
+    policy = offload_op(aten.mm.default, must=True)
     if engine == "region":
         with torch_sac.sac_context(policy, allow_cache_entry_mutation=True):
             loss, h = fn()
@@ -669,9 +663,7 @@ def test_must_offload_unsafe_view_raises(stand_in, engine):
     """`_unsafe_view` declares no alias but returns its input's storage."""
     x = torch.randn(2, 3, 4, requires_grad=True)
     w = torch.randn(4, 5, requires_grad=True)
-    policy = lambda ctx, op, *a, **k: (  # noqa: E731
-        Policy.MUST_OFFLOAD if op is aten._unsafe_view.default else Policy.PREFER_RECOMPUTE
-    )
+    policy = offload_op(aten._unsafe_view.default, must=True)
     with pytest.raises(ValueError, match=r"MUST_OFFLOAD for aten::_unsafe_view.*view of an input"):
         run(
             "region" if engine == "region" else "dropin",
@@ -812,9 +804,7 @@ def test_write_in_another_region_after_offload_keeps_the_replay_exact(stand_in):
 
     g = torch.Generator().manual_seed(0)
     v2 = torch.randn((2, 3, 4), generator=g, dtype=torch.float64).requires_grad_()
-    offload_bmm = lambda ctx, op, *a, **k: (  # noqa: E731
-        Policy.PREFER_OFFLOAD if op is aten.bmm.default else Policy.PREFER_RECOMPUTE
-    )
+    offload_bmm = offload_op(aten.bmm.default)
 
     def program(region):
         with region():
@@ -854,9 +844,7 @@ def test_list_outputs_are_offloaded(stand_in, engine):
         return sum(y.sum() for y in torch._foreach_exp([x * 2 for x in xs]))
 
     want = torch.autograd.grad(fn(), xs)
-    policy = lambda ctx, op, *a, **k: (  # noqa: E731
-        Policy.MUST_OFFLOAD if op is aten._foreach_exp.default else Policy.PREFER_RECOMPUTE
-    )
+    policy = offload_op(aten._foreach_exp.default, must=True)
     before = torch_sac.offload.stats()["offloaded"]
     got = torch.autograd.grad(run(engine, fn, policy=policy), xs)
     assert_same(list(got), list(want))

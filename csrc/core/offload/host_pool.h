@@ -47,6 +47,18 @@ struct HostPoolStats {
   int64_t peak_reserved_bytes = 0; // since the last reset_peak()
   int64_t chunks_allocated = 0;    // chunk allocations since start (each a cudaHostAlloc on CUDA)
   int64_t ranges_allocated = 0;    // ranges handed out since start
+
+  // Two pools' figures as one (the peaks add: an upper bound of the
+  // combined peak).
+  HostPoolStats& operator+=(const HostPoolStats& o) {
+    in_use_bytes += o.in_use_bytes;
+    peak_in_use_bytes += o.peak_in_use_bytes;
+    reserved_bytes += o.reserved_bytes;
+    peak_reserved_bytes += o.peak_reserved_bytes;
+    chunks_allocated += o.chunks_allocated;
+    ranges_allocated += o.ranges_allocated;
+    return *this;
+  }
 };
 
 class HostPool {

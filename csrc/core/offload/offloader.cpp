@@ -138,22 +138,16 @@ class Offloader {
   OffloadStats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     OffloadStats s = stats_;
-    s.host = pool(c10::kCUDA).stats();
-    const HostPoolStats cpu = pool(c10::kCPU).stats();
-    s.host.in_use_bytes += cpu.in_use_bytes;
-    s.host.peak_in_use_bytes += cpu.peak_in_use_bytes;
-    s.host.reserved_bytes += cpu.reserved_bytes;
-    s.host.peak_reserved_bytes += cpu.peak_reserved_bytes;
-    s.host.chunks_allocated += cpu.chunks_allocated;
-    s.host.ranges_allocated += cpu.ranges_allocated;
+    s.host = pinned_pool_.stats();
+    s.host += stand_in_pool_.stats();
     return s;
   }
   void reset_peaks() {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.peak_copying_bytes = stats_.copying_bytes;
     stats_.peak_prefetched_bytes = stats_.prefetched_bytes;
-    pool(c10::kCUDA).reset_peak();
-    pool(c10::kCPU).reset_peak();
+    pinned_pool_.reset_peak();
+    stand_in_pool_.reset_peak();
   }
   void synchronize(bool trim);
 
@@ -164,6 +158,7 @@ class Offloader {
     return type == c10::kCPU ? stand_in_pool_ : pinned_pool_;
   }
   c10::Stream copy_stream(c10::Device device);
+  // Starts the copy to host memory of a staged storage (no longer staged).
   void copy_out_locked(OffloadedStorage& s);
   c10::Storage copy_in_locked(OffloadedStorage& s);
   void prefetch_before_locked(int64_t seq);
@@ -257,9 +252,7 @@ OffloadedTensor Offloader::offload(const at::Tensor& t, uint64_t state, const st
   out.storage_ = s;
   // The oldest staged ones go to the host, beyond what stays on the device.
   while (!staged_.empty() && staged_bytes_ > options_.keep_last_bytes) {
-    OffloadedStorage* oldest = staged_.front();
-    copy_out_locked(*oldest); // may raise at the host cap: it stays staged
-    unstage_locked(*oldest);
+    copy_out_locked(*staged_.front()); // may raise at the host cap: it stays staged
   }
   return out;
 }
@@ -282,7 +275,6 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
   const at::Tensor src = storage_bytes(s.source, s.device);
   if (s.device.is_cpu()) {
     dst.copy_(src);
-    stats_.offloaded_bytes += s.nbytes;
     finish_copy_out_locked(s);
   } else {
     const c10::Stream side = copy_stream(s.device);
@@ -296,10 +288,11 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
     s.d2h->record(side);
     s.where = OffloadedStorage::Where::Copying;
     copying_.push_back(&s);
-    stats_.offloaded_bytes += s.nbytes;
     stats_.copying_bytes += s.nbytes;
     stats_.peak_copying_bytes = std::max(stats_.peak_copying_bytes, stats_.copying_bytes);
   }
+  unstage_locked(s);
+  stats_.offloaded_bytes += s.nbytes;
   stats_.d2h_ns += elapsed_ns(start);
 }
 
@@ -516,7 +509,6 @@ void Offloader::before_write(const c10::StorageImpl* storage) {
   s.written = true;
   if (s.where == OffloadedStorage::Where::Staged) {
     copy_out_locked(s); // ordered before the write on the compute stream
-    unstage_locked(s);
   }
   if (s.where == OffloadedStorage::Where::Copying) {
     const c10::impl::VirtualGuardImpl impl(s.device.type());
@@ -604,6 +596,22 @@ const char* why_not_offloadable(const at::Tensor& t, const OffloadOptions& optio
   return nullptr;
 }
 
+void check_must_offload(
+    std::string_view op,
+    const at::Tensor& t,
+    bool on_an_input,
+    const OffloadOptions& options) {
+  const char* why = on_an_input
+      ? "it is a view of an input or an input written in place (offload the op that made the "
+        "storage)"
+      : why_not_offloadable(t, options, /*must=*/true);
+  TORCH_CHECK_VALUE(
+      why == nullptr, "torch_sac: the policy returned MUST_OFFLOAD for ", op,
+      ", but its output of shape ", t.sizes(), " on ", t.device(), " cannot be offloaded: ", why,
+      ". Return PREFER_OFFLOAD (which keeps such outputs on the device) or MUST_SAVE for this "
+      "op.");
+}
+
 OffloadedTensor::OffloadedTensor(OffloadedTensor&& other) noexcept
     : storage_(std::move(other.storage_)),
       geometry_(std::move(other.geometry_)),
@@ -639,21 +647,14 @@ void OffloadedTensor::release() {
 
 at::Tensor OffloadedTensor::reload(bool check_version) const {
   const uint32_t now = current_version(version_counter_);
-  TORCH_CHECK(
-      !check_version || now == version_,
-      "one of the variables needed for gradient computation has been modified by an inplace "
-      "operation: a tensor of shape ",
-      c10::IntArrayRef(geometry_.sizes), " is at version ", now, "; expected version ", version_,
-      " instead. (torch_sac: it was offloaded to host memory for backward, made by ", storage_->op,
-      ".) Hint: enable anomaly detection with torch.autograd.set_detect_anomaly(True) to find "
-      "the operation that failed to compute its gradient.");
+  if (check_version && now != version_) {
+    throw_modified_in_place(
+        c10::str("a tensor of shape ", c10::IntArrayRef(geometry_.sizes)), now, version_,
+        "it was offloaded to host memory for backward, made by " + storage_->op);
+  }
   at::Tensor t = geometry_.view_of(Offloader::get().reload(*storage_, &consumed_));
   t.unsafeGetTensorImpl()->set_version_counter(version_counter_);
   return t;
-}
-
-int64_t OffloadedTensor::nbytes() const {
-  return storage_ ? storage_->nbytes : 0;
 }
 
 OffloadedTensor offload(const at::Tensor& t, uint64_t state, const std::string& op) {

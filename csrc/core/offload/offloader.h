@@ -37,6 +37,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "csrc/core/offload/host_pool.h"
 #include "csrc/core/tensor_geometry.h"
@@ -73,8 +74,7 @@ struct OffloadStats {
   // ahead but not complete when first used (GPU only).
   int64_t late = 0;
   int64_t late_bytes = 0;
-  int64_t fallbacks = 0;     // PREFER_OFFLOAD tensors kept on the device (counted by the engines)
-  int64_t copying_bytes = 0; // device bytes held for a running device-to-host copy
+  int64_t copying_bytes = 0;      // device bytes held for a running device-to-host copy
   int64_t peak_copying_bytes = 0; // since reset_peaks()
   int64_t prefetched_bytes = 0;   // reloaded ahead, not yet consumed
   int64_t peak_prefetched_bytes = 0;
@@ -88,6 +88,16 @@ class OffloadedStorage;
 // Why `t` cannot be offloaded under `options`, or nullptr when it can.
 // `must`: the size threshold does not apply.
 const char* why_not_offloadable(const at::Tensor& t, const OffloadOptions& options, bool must);
+
+// MUST_OFFLOAD for `op` and its output `t`: raises ValueError naming the op
+// and why, unless `t` can be offloaded. `on_an_input`: `t` lies on an
+// input's storage (a view, an in-place op's result, `_unsafe_view`), which
+// the op that made that storage must offload.
+void check_must_offload(
+    std::string_view op,
+    const at::Tensor& t,
+    bool on_an_input,
+    const OffloadOptions& options);
 
 // A tensor whose storage has a host copy: how it lies on that storage, and
 // its version when offloaded. One per saved tensor (move-only): the
@@ -118,7 +128,6 @@ class OffloadedTensor {
   // Starts the copy back to the device now, within the prefetch budget (a
   // region that will consume it soon: the drop-in's recompute).
   void prefetch() const;
-  int64_t nbytes() const;
   // Whether its storage is `storage` (alive).
   bool is_of(const c10::StorageImpl* storage) const;
 

@@ -36,15 +36,11 @@ at::Tensor unpack(const SavedActivation& saved) {
   }
   if (saved.kept.defined()) {
     const uint32_t now = current_version(saved.version_counter);
-    TORCH_CHECK(
-        now == saved.version,
-        "one of the variables needed for gradient computation has been "
-        "modified by an inplace operation: ",
-        describe(saved.kept), " is at version ", now, "; expected version ", saved.version,
-        " instead. (torch_sac: the tensor was saved for backward inside a "
-        "sac_context region.) Hint: enable anomaly detection with "
-        "torch.autograd.set_detect_anomaly(True) to find the operation that "
-        "failed to compute its gradient.");
+    if (now != saved.version) {
+      throw_modified_in_place(
+          describe(saved.kept), now, saved.version,
+          "the tensor was saved for backward inside a sac_context region");
+    }
   }
   return saved.kept;
 }
@@ -76,16 +72,11 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   const ReplayOnThisThread replaying(*this); // ends before the lock is released
   StorageRecord& record = storages_.at(saved.storage);
   const uint32_t now = current_version(saved.version_counter);
-  TORCH_CHECK(
-      now == saved.version,
-      "one of the variables needed for gradient computation has been modified "
-      "by an inplace operation: a tensor of shape ",
-      c10::IntArrayRef(saved.geometry.sizes), " is at version ", now, "; expected version ",
-      saved.version,
-      " instead. (torch_sac: it was saved for backward inside a sac_context "
-      "region and dropped by the policy.) Hint: enable anomaly detection with "
-      "torch.autograd.set_detect_anomaly(True) to find the operation that "
-      "failed to compute its gradient.");
+  if (now != saved.version) {
+    throw_modified_in_place(
+        c10::str("a tensor of shape ", c10::IntArrayRef(saved.geometry.sizes)), now, saved.version,
+        "it was saved for backward inside a sac_context region and dropped by the policy");
+  }
   const int task = torch::autograd::get_current_graph_task_id();
   const bool same_backward = task >= 0 && task == saved.unpacked_task;
   if (saved.unpacked_pass == storages_.pass() && !same_backward) {
