@@ -710,6 +710,26 @@ def bench_model(args, dev, name, spec, deadline):
             log(f"[{name}] stopping after {done} rounds: deadline")
             break
 
+    # One more step of each offloading row with its copies timed (timing
+    # events around every copy and every wait on one): how long the copies
+    # took, and how long compute waited for them (exposed).
+    for row in live:
+        if row.offload is None or past():
+            continue
+        import torch_sac
+
+        with torch_sac.offload.using(time_copies=True):
+            torch_sac.offload.synchronize()
+            before = torch_sac.offload.stats()
+            b.run(row)
+            dev.sync()
+            torch_sac.offload.synchronize()
+            after = torch_sac.offload.stats()
+        row.offload["copy_ms"] = (
+            sum(after[k] - before[k] for k in ("d2h_copy_ns", "h2d_copy_ns")) / 1e6
+        )
+        row.offload["waited_ms"] = (after["waited_ns"] - before["waited_ns"]) / 1e6
+
     if dev.cuda and not args.no_profile:
         for row in live:
             if past():
@@ -791,8 +811,14 @@ def table(header, rows, args):
                 o = r.offload
                 note = (
                     f"offloaded {fmt_bytes(o['offloaded_bytes'])}, back {fmt_bytes(o['reloaded_bytes'])}, "
-                    f"{o['late']} late ({fmt_bytes(o['late_bytes'])}), host pool peak "
-                    f"{fmt_bytes(o['host_peak_bytes'])}" + ("; " + note if note else "")
+                    f"{o['late']} late ({fmt_bytes(o['late_bytes'])}), "
+                    + (
+                        f"copies {o['copy_ms']:.1f} ms, compute waited {o['waited_ms']:.2f} ms, "
+                        if "waited_ms" in o
+                        else ""
+                    )
+                    + f"host pool peak {fmt_bytes(o['host_peak_bytes'])}"
+                    + ("; " + note if note else "")
                 )
                 rec.update(offload=o)
             if r.plan is not None:

@@ -259,10 +259,14 @@ def set_offload_options(
     prefetch_bytes: int,
     keep_last_bytes: int,
     cpu_stand_in: bool,
+    time_copies: bool,
 ) -> None:
     """Raises ValueError on a negative size (host_limit_bytes may be -1)."""
 
 def offload_stats() -> dict[str, int]: ...
+def offload_copy_times() -> dict[str, dict[str, int]]:
+    """The timed copies and waits per op (the op that made the storage)."""
+
 def offload_host_in_use_bytes() -> int: ...
 def offload_reset_peaks() -> None: ...
 def offload_synchronize(trim: bool) -> None:

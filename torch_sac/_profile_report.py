@@ -55,8 +55,8 @@ def format_table(data, max_rows, sort_by):
         header = ["op", "saved", "dropped", "kept", "dropped", "replayed"]
         units = ["", "calls", "calls", "bytes", "bytes", ""]
         if offloads:
-            header[3:3] = ["offloaded", "offloaded"]
-            units[3:3] = ["calls", "bytes"]
+            header[3:3] = ["offloaded", "offloaded", "copies", "waited"]
+            units[3:3] = ["calls", "bytes", "", "(exposed)"]
         if most:
             header.append("most")
             units.append("per call")
@@ -77,7 +77,12 @@ def format_table(data, max_rows, sort_by):
                 str(r["replayed"]),
             ]
             if offloads:
-                cells[3:3] = [str(r["offloaded"]), format_bytes(r["offloaded_bytes"])]
+                cells[3:3] = [
+                    str(r["offloaded"]),
+                    format_bytes(r["offloaded_bytes"]),
+                    _ms(r.get("copy_ns", 0)),
+                    _ms(r.get("waited_ns", 0)),
+                ]
             if most:
                 cells.append(str(r["most_replays"]) if "most_replays" in r else "")
             cells.append(_ms(r["replay_ns"]))
@@ -95,6 +100,8 @@ def format_table(data, max_rows, sort_by):
             "dropped_bytes": t["dropped_bytes"],
             "offloaded": t.get("offloaded_ops", 0),
             "offloaded_bytes": t.get("offloaded_bytes", 0),
+            "copy_ns": sum(r.get("copy_ns", 0) for r in data["ops"]),
+            "waited_ns": sum(r.get("waited_ns", 0) for r in data["ops"]),
             "replayed": t["replayed_ops"],
             "replay_ns": t["replay_ns"],
             "replay_flops": t["replay_flops"],
@@ -147,9 +154,15 @@ def format_table(data, max_rows, sort_by):
             f"offload: {format_bytes(off['offloaded_bytes'])} copied to host memory, "
             f"{format_bytes(off['reloaded_bytes'])} back ({off['prefetched']} ahead of use, "
             f"{off['late']} late: {format_bytes(off['late_bytes'])}), "
-            f"{format_bytes(off['kept_last_bytes'])} kept on the device (used first in backward); "
-            f"host pool peak {format_bytes(off['host_peak_bytes'])}; device memory held by copies: "
-            f"{format_bytes(off['peak_copying_bytes'])} to host, "
+            + (
+                f"copies {_ms(off['d2h_copy_ns'] + off['h2d_copy_ns'])}, compute waited "
+                f"{_ms(off['waited_ns'])} for them, "
+                if "waited_ns" in off
+                else ""
+            )
+            + f"{format_bytes(off['kept_last_bytes'])} kept on the device (used first in "
+            f"backward); host pool peak {format_bytes(off['host_peak_bytes'])}; device memory "
+            f"held by copies: {format_bytes(off['peak_copying_bytes'])} to host, "
             f"{format_bytes(off['peak_prefetched_bytes'])} prefetched (peaks)"
         )
     lines.append(

@@ -56,6 +56,7 @@ __all__ = [
     "set_options",
     "using",
     "stats",
+    "copy_times",
     "reset_peak_stats",
     "synchronize",
 ]
@@ -78,6 +79,11 @@ class OffloadOptions:
             (default 64 MiB): backward uses them first, so no copy could be
             hidden behind compute.
         cpu_stand_in: offload CPU tensors into a stand-in host pool (tests).
+        time_copies: time every copy and every wait of compute on one, with
+            timing events on the device (a few microseconds per copy; the
+            profiler turns it on). The CPU stand-in's copies are timed on
+            the host clock either way. Read with :func:`copy_times` and the
+            ``*_copy_ns`` / ``waited_ns`` keys of :func:`stats`.
     """
 
     host_limit_bytes: int
@@ -85,6 +91,7 @@ class OffloadOptions:
     prefetch_bytes: int
     keep_last_bytes: int
     cpu_stand_in: bool
+    time_copies: bool
 
 
 def options() -> OffloadOptions:
@@ -110,7 +117,7 @@ def set_options(**changes) -> OffloadOptions:
                 f"torch_sac.offload.set_options: unknown option {name!r}; "
                 f"the options are {', '.join(fields)}"
             )
-        wanted = bool if name == "cpu_stand_in" else int
+        wanted = bool if fields[name] in (bool, "bool") else int
         if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
             raise TypeError(
                 f"torch_sac.offload.set_options: {name} must be {wanted.__name__}, got {value!r}"
@@ -149,11 +156,36 @@ def stats() -> dict[str, int]:
     running), ``prefetched_bytes`` / ``peak_prefetched_bytes`` (device memory
     brought back ahead and not yet used), ``d2h_ns`` / ``h2d_ns`` (host time
     spent issuing copies; on the CPU stand-in, the copies themselves),
-    ``host_in_use_bytes`` / ``host_peak_bytes`` / ``host_reserved_bytes`` /
+    ``d2h_copy_ns`` / ``h2d_copy_ns`` / ``waited_ns`` / ``waits`` (the timed
+    copies' device time and how long compute waited for them, as
+    :func:`copy_times` sums them), ``host_in_use_bytes`` / ``host_peak_bytes`` / ``host_reserved_bytes`` /
     ``host_peak_reserved_bytes`` / ``host_chunks_allocated`` (the host pool).
     Peaks count from the last :func:`reset_peak_stats`.
     """
     return dict(_C.offload_stats())
+
+
+def copy_times() -> dict[str, dict[str, int]]:
+    """The timed copies per op (the op whose outputs were offloaded, as
+    ``"aten::mm.default"``), since the process started.
+
+    Each value: ``d2h_copy_ns`` and ``h2d_copy_ns`` (device time of the
+    copies to host memory and back), ``waited_ns`` (how long compute waited
+    for them: a reload not complete when its consumer ran, a write waiting
+    for a copy out; the *exposed* copy time) and ``waits`` (the waits
+    timed). On a GPU only copies made while ``time_copies`` is on are timed
+    (timing events on the copy stream and on the consumer's stream); on the
+    CPU stand-in every copy is, and all of its time is waited, since it
+    runs on the compute thread. Timings whose events have not completed yet
+    are added later (:func:`synchronize` waits for them).
+
+    Example:
+        >>> with torch_sac.offload.using(time_copies=True):
+        ...     train_step()
+        >>> torch_sac.offload.synchronize()
+        >>> torch_sac.offload.copy_times()["aten::mm.default"]["waited_ns"]
+    """
+    return {op: dict(times) for op, times in _C.offload_copy_times().items()}
 
 
 def reset_peak_stats() -> None:

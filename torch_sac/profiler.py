@@ -65,7 +65,15 @@ _OFFLOAD_DELTAS = (
     "kept_last_bytes",
     "d2h_ns",
     "h2d_ns",
+    "d2h_copy_ns",
+    "h2d_copy_ns",
+    "waited_ns",
+    "waits",
 )
+# Per-op copy times (torch_sac.offload.copy_times()) a profile's op rows
+# carry, as what changed during the profile: the copies' device time both
+# ways, and how long compute waited for them (exposed).
+_COPY_FIELDS = ("copy_ns", "waited_ns")
 _OFFLOAD_PEAKS = ("host_peak_bytes", "peak_copying_bytes", "peak_prefetched_bytes")
 # Region counters summed into the totals: every counter of the region
 # engine's stats (listed once, in csrc/core/stats.h, read here through
@@ -274,6 +282,7 @@ class profile:
         self.label = label
         self._state = "new"  # new -> active -> done
         self._data = None
+        self._offload_options = None  # the options before the profile (set while active)
 
     # ------------------------------------------------------------------
     # Running
@@ -313,7 +322,10 @@ class profile:
         self._whole.__enter__()
         self._fwd.__enter__()
         self._start = self._whole.start
+        # Copies are timed while the profile runs (timing events on a GPU).
+        self._offload_options = offload.set_options(time_copies=True)
         self._offload_start = offload.stats()
+        self._copy_times_start = offload.copy_times()
         offload.reset_peak_stats()
         self._host = []  # host memory of offloaded activations, per sample
         self._t0 = time.perf_counter_ns()
@@ -369,6 +381,9 @@ class profile:
         for tracker in (self._fwd, self._bwd, self._whole):
             if tracker._window is not None:
                 tracker.__exit__(None, None, None)
+        if self._offload_options is not None:
+            offload.set_options(time_copies=self._offload_options.time_copies)
+            self._offload_options = None
         self._state = "done"
 
     def end_forward(self) -> None:
@@ -597,6 +612,15 @@ class profile:
                     "stats": {k: int(v) for k, v in stats.items()},
                 }
             )
+        offload.synchronize()  # every copy done, and its timing known
+        for op, times in offload.copy_times().items():
+            before = self._copy_times_start.get(op, dict.fromkeys(times, 0))
+            copy_ns = sum(times[k] - before[k] for k in ("d2h_copy_ns", "h2d_copy_ns"))
+            waited_ns = times["waited_ns"] - before["waited_ns"]
+            if copy_ns or waited_ns:
+                row = ops.setdefault(op, _empty_row(op))
+                row["copy_ns"] += copy_ns
+                row["waited_ns"] += waited_ns
         flop_keys = ("forward_flops", "replay_flops", "replay_flops_low", "replay_flops_high")
         rows = []
         for row in ops.values():
@@ -841,7 +865,7 @@ class profile:
 
 def _empty_row(op):
     row = {"op": op}
-    row.update({k: 0 for k in _OP_FIELDS})
+    row.update({k: 0 for k in _OP_FIELDS + _COPY_FIELDS})
     row.update(
         {
             "forward_calls": 0,
@@ -884,12 +908,16 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` in the current :data:`FORMAT`: an older profile's engine
     names mapped to today's (a copy; a current one is returned as is)."""
     renames = _OLD_FORMATS.get(data.get("format"))
-    if renames is None and all("offloaded" in r for r in data.get("ops", [])):
+    if renames is None and all("waited_ns" in r for r in data.get("ops", [])):
         return data
-    # Written before offloading existed: nothing was offloaded.
+    # Written before offloading existed (nothing was offloaded), or before
+    # copies were timed (no copy time known).
     data = {
         **data,
-        "ops": [{"offloaded": 0, "offloaded_bytes": 0, **r} for r in data.get("ops", [])],
+        "ops": [
+            {"offloaded": 0, "offloaded_bytes": 0, "copy_ns": 0, "waited_ns": 0, **r}
+            for r in data.get("ops", [])
+        ],
         "totals": {"offload": None, **data.get("totals", {})},
     }
     if renames is None:

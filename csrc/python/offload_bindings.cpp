@@ -8,6 +8,17 @@ namespace py = pybind11;
 
 namespace torch_sac::python {
 
+namespace {
+
+void add_copy_times(py::dict& d, const offload::CopyTimes& t) {
+  d["d2h_copy_ns"] = t.d2h_ns;
+  d["h2d_copy_ns"] = t.h2d_ns;
+  d["waited_ns"] = t.waited_ns;
+  d["waits"] = t.waits;
+}
+
+} // namespace
+
 void register_offload(py::module_& m) {
   m.def("offload_options", [] {
     const offload::OffloadOptions o = offload::options();
@@ -17,17 +28,19 @@ void register_offload(py::module_& m) {
     d["prefetch_bytes"] = o.prefetch_bytes;
     d["keep_last_bytes"] = o.keep_last_bytes;
     d["cpu_stand_in"] = o.cpu_stand_in;
+    d["time_copies"] = o.time_copies;
     return d;
   });
   m.def(
       "set_offload_options",
       [](int64_t host_limit_bytes, int64_t min_bytes, int64_t prefetch_bytes,
-         int64_t keep_last_bytes, bool cpu_stand_in) {
+         int64_t keep_last_bytes, bool cpu_stand_in, bool time_copies) {
         offload::set_options(
-            {host_limit_bytes, min_bytes, prefetch_bytes, keep_last_bytes, cpu_stand_in});
+            {host_limit_bytes, min_bytes, prefetch_bytes, keep_last_bytes, cpu_stand_in,
+             time_copies});
       },
       py::arg("host_limit_bytes"), py::arg("min_bytes"), py::arg("prefetch_bytes"),
-      py::arg("keep_last_bytes"), py::arg("cpu_stand_in"));
+      py::arg("keep_last_bytes"), py::arg("cpu_stand_in"), py::arg("time_copies"));
   m.def("offload_stats", [] {
     const offload::OffloadStats s = offload::stats();
     py::dict d;
@@ -47,6 +60,7 @@ void register_offload(py::module_& m) {
     d["peak_prefetched_bytes"] = s.peak_prefetched_bytes;
     d["d2h_ns"] = s.d2h_ns;
     d["h2d_ns"] = s.h2d_ns;
+    add_copy_times(d, s.timed);
     d["host_in_use_bytes"] = s.host.in_use_bytes;
     d["host_peak_bytes"] = s.host.peak_in_use_bytes;
     d["host_reserved_bytes"] = s.host.reserved_bytes;
@@ -55,6 +69,15 @@ void register_offload(py::module_& m) {
     return d;
   });
   // One number per profiler sample: cheaper than the whole dict.
+  m.def("offload_copy_times", [] {
+    py::dict by_op;
+    for (const auto& [op, times] : offload::copy_times_by_op()) {
+      py::dict d;
+      add_copy_times(d, times);
+      by_op[py::str(op)] = d;
+    }
+    return by_op;
+  });
   m.def("offload_host_in_use_bytes", [] { return offload::stats().host.in_use_bytes; });
   m.def("offload_reset_peaks", &offload::reset_peaks);
   m.def(

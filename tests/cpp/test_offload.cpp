@@ -144,6 +144,32 @@ TEST_F(Offloader, LastOffloadedStayOnTheDevice) {
   EXPECT_EQ(stats().kept_last - before.kept_last, 2);
 }
 
+TEST_F(Offloader, CopiesAreTimedUnderTheirOp) {
+  auto times_of = [](const std::string& op) {
+    for (const auto& [name, times] : copy_times_by_op()) {
+      if (name == op) {
+        return times;
+      }
+    }
+    return CopyTimes{};
+  };
+  const CopyTimes before = times_of("aten::timed_test");
+  const CopyTimes total_before = stats().timed;
+  {
+    OffloadedTensor off = offload(at::randn({4096}), 0, "aten::timed_test");
+    off.reload();
+  }
+  CopyTimes moved = times_of("aten::timed_test");
+  moved += CopyTimes{-before.d2h_ns, -before.h2d_ns, -before.waited_ns, -before.waits};
+  // The stand-in copies on the compute thread: all of it waited, one wait
+  // per copy; stats() sums the same figures.
+  EXPECT_GT(moved.d2h_ns, 0);
+  EXPECT_GT(moved.h2d_ns, 0);
+  EXPECT_EQ(moved.waited_ns, moved.d2h_ns + moved.h2d_ns);
+  EXPECT_EQ(moved.waits, 2);
+  EXPECT_EQ(stats().timed.waits - total_before.waits, 2);
+}
+
 TEST(OffloadOptionsCheck, BadValuesRaiseValueError) {
   OffloadOptions o = options();
   o.prefetch_bytes = -1;

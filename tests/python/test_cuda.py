@@ -1341,7 +1341,9 @@ def test_offload_overlaps_compute(offloading):
     """Matmul-heavy blocks (about 1 ms of compute between offloaded
     tensors of 8 MiB): every reload after the first is started ahead of its
     use and complete when used (late counts a reload the consumer found
-    unfinished), with a prefetch window of a few tensors."""
+    unfinished), with a prefetch window of a few tensors. Timed copies
+    (timing events): compute waited for them about as long as for the
+    first reload, a few copies' time at most, not for each of them."""
     torch.manual_seed(0)
     d = 2048
     ws = [torch.randn(d, d, device=DEVICE, requires_grad=True) / d**0.5 for _ in range(8)]
@@ -1353,17 +1355,24 @@ def test_offload_overlaps_compute(offloading):
                 h = torch.tanh(h @ w)
         return h
 
-    with torch_sac.offload.using(prefetch_bytes=4 * 1024 * d * 4):
+    with torch_sac.offload.using(prefetch_bytes=4 * 1024 * d * 4, time_copies=True):
         with torch_sac.sac_context(torch_sac.policies.offload_ops([torch.ops.aten.tanh])):
             out = blocks(x)
+        torch_sac.offload.synchronize()
         before = torch_sac.offload.stats()
         out.sum().backward()
         torch.cuda.synchronize()
+        torch_sac.offload.synchronize()
         after = torch_sac.offload.stats()
     reloaded = after["reloaded"] - before["reloaded"]
     late = after["late"] - before["late"]
     assert reloaded >= 16
     assert late <= max(2, reloaded // 10), (late, reloaded)
+    h2d_ns = after["h2d_copy_ns"] - before["h2d_copy_ns"]
+    waited_ns = after["waited_ns"] - before["waited_ns"]
+    assert after["waits"] - before["waits"] >= reloaded and h2d_ns > 0
+    assert waited_ns <= 3 * h2d_ns / reloaded, (waited_ns, h2d_ns, reloaded)
+    assert after["d2h_copy_ns"] > 0
 
 
 @cuda_only("the caching allocator's statistics")

@@ -510,15 +510,96 @@ def test_profile_reports_offloads(stand_in, tmp_path):
     assert "offload:" in table and "offloaded" in table.splitlines()[1]
     # A profile read back, and one written before offloading existed.
     assert "offload:" in torch_sac.profile.from_dict(data).table()
+    # Copies timed per op (on the stand-in, all of their time is waited).
+    assert row["copy_ns"] > 0 and row["waited_ns"] == row["copy_ns"]
+    assert off["d2h_copy_ns"] + off["h2d_copy_ns"] == off["waited_ns"] == row["waited_ns"]
+    header = table.splitlines()[1].split()
+    assert "copies" in header and "waited" in header
+    assert "compute waited" in table
     old = {
         **data,
-        "ops": [{k: v for k, v in r.items() if not k.startswith("offloaded")} for r in data["ops"]],
+        "ops": [
+            {k: v for k, v in r.items() if not k.startswith("offloaded") and k[-3:] != "_ns"}
+            | {"replay_ns": r["replay_ns"]}
+            for r in data["ops"]
+        ],
     }
     old["totals"] = {k: v for k, v in data["totals"].items() if k != "offload"}
     assert "offload:" not in torch_sac.profile.from_dict(old).table()
     pytest.importorskip("matplotlib")
     prof.plot(str(tmp_path / "offload.png"))
     assert (tmp_path / "offload.png").stat().st_size > 0
+
+
+def test_profile_read_from_before_copy_times(stand_in):
+    """A profile written before copies were timed reads back with no copy
+    time: its rows get 0, its offload line no copy figures."""
+    chain = tanh_chain(3, width=128, batch=64)
+    with torch_sac.profile() as prof:
+        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+            out = chain.forward()
+        weighted(out).backward()
+        del out
+    data = prof.to_dict()
+    timed = ("copy_ns", "waited_ns")
+    data["ops"] = [{k: v for k, v in r.items() if k not in timed} for r in data["ops"]]
+    data["totals"]["offload"] = {
+        k: v
+        for k, v in data["totals"]["offload"].items()
+        if k not in ("d2h_copy_ns", "h2d_copy_ns", "waited_ns", "waits")
+    }
+    read = torch_sac.profile.from_dict(data)
+    assert all(r["copy_ns"] == 0 and r["waited_ns"] == 0 for r in read.to_dict()["ops"])
+    table = read.table()
+    assert "offload:" in table and "compute waited" not in table
+
+
+def test_copy_times_per_op(stand_in):
+    """Every copy of the stand-in is timed, under the op that made the
+    storage, and waited for (it runs on the compute thread); the totals in
+    stats() are the sums over ops."""
+    chain = tanh_chain(4, width=128, batch=64)
+    before, stats_before = torch_sac.offload.copy_times(), torch_sac.offload.stats()
+    with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
+        out = chain.forward()
+    weighted(out).backward()
+    del out
+    torch_sac.offload.synchronize()
+    after, stats_after = torch_sac.offload.copy_times(), torch_sac.offload.stats()
+    zero = dict.fromkeys(("d2h_copy_ns", "h2d_copy_ns", "waited_ns", "waits"), 0)
+    moved = {
+        op: {k: t[k] - before.get(op, zero)[k] for k in zero}
+        for op, t in after.items()
+        if t != before.get(op)
+    }
+    assert set(moved) == {"aten::tanh.default"}, moved
+    tanh = moved["aten::tanh.default"]
+    copies = (stats_after["offloaded"] - stats_before["offloaded"]) + (
+        stats_after["reloaded"] - stats_before["reloaded"]
+    )
+    # 4 out, 3 back: the last output is the region's, alive in backward.
+    assert tanh["waits"] == copies == 7
+    assert tanh["d2h_copy_ns"] > 0 and tanh["h2d_copy_ns"] > 0
+    assert tanh["waited_ns"] == tanh["d2h_copy_ns"] + tanh["h2d_copy_ns"]
+    for k in zero:
+        assert stats_after[k] - stats_before[k] == tanh[k], k
+
+
+def test_profile_times_copies_and_restores_the_option(stand_in):
+    """A profile turns copy timing on while it runs, and puts the option
+    back afterwards, even when the block raised."""
+    assert torch_sac.offload.options().time_copies is False
+    with pytest.raises(RuntimeError, match="boom"):
+        with torch_sac.profile():
+            assert torch_sac.offload.options().time_copies is True
+            raise RuntimeError("boom")
+    assert torch_sac.offload.options().time_copies is False
+    with torch_sac.offload.using(time_copies=True):
+        with torch_sac.profile():
+            pass
+        assert torch_sac.offload.options().time_copies is True
+    with pytest.raises(TypeError, match="time_copies must be bool"):
+        torch_sac.offload.set_options(time_copies=1)
 
 
 def test_profile_without_offload_has_no_offload_line():

@@ -99,6 +99,59 @@ int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
+enum class Timed : uint8_t { D2H, H2D, Waited };
+
+CopyTimes copy_times(Timed what, int64_t ns) {
+  CopyTimes t;
+  switch (what) {
+    case Timed::D2H:
+      t.d2h_ns = ns;
+      break;
+    case Timed::H2D:
+      t.h2d_ns = ns;
+      break;
+    case Timed::Waited:
+      t.waited_ns = ns;
+      t.waits = 1;
+      break;
+  }
+  return t;
+}
+
+// A copy or a wait timed by two events on one stream, not yet known to have
+// completed.
+struct PendingTiming {
+  std::string op;
+  Timed what;
+  c10::Event start;
+  c10::Event end;
+};
+
+// Times the work queued on `stream` between construction and finish() with
+// two timing events (a no-op unless `enabled`).
+class StreamTimer {
+ public:
+  StreamTimer(bool enabled, const c10::Stream& stream) : stream_(stream) {
+    if (enabled) {
+      start_.emplace(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT);
+      start_->record(stream);
+    }
+  }
+  void finish(std::string op, Timed what, std::vector<PendingTiming>& pending) {
+    if (!start_) {
+      return;
+    }
+    c10::Event end(stream_.device_type(), c10::EventFlag::BACKEND_DEFAULT);
+    end.record(stream_);
+    pending.push_back({std::move(op), what, std::move(*start_), std::move(end)});
+    start_.reset();
+  }
+
+ private:
+  c10::Stream stream_;
+  std::optional<c10::Event> start_;
+};
+
 } // namespace
 
 class Offloader {
@@ -140,7 +193,14 @@ class Offloader {
     OffloadStats s = stats_;
     s.host = pinned_pool_.stats();
     s.host += stand_in_pool_.stats();
+    resolve_timings_locked(/*wait=*/false);
+    s.timed = stats_.timed;
     return s;
+  }
+  std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    resolve_timings_locked(/*wait=*/false);
+    return {copy_times_.begin(), copy_times_.end()};
   }
   void reset_peaks() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -172,6 +232,10 @@ class Offloader {
   // Gives a prefetched copy's room back (kept until its copy completed).
   void drop_prefetched_locked(OffloadedStorage& s);
   void poll_locked();
+  void add_time_locked(const std::string& op, Timed what, int64_t ns);
+  // Adds the pending timings whose events completed (all of them, waiting,
+  // when `wait`).
+  void resolve_timings_locked(bool wait);
   void finish_copy_out_locked(OffloadedStorage& s);
   void unstage_locked(OffloadedStorage& s);
 
@@ -192,7 +256,30 @@ class Offloader {
   // kept until the copy's event completes.
   std::vector<std::pair<c10::Storage, c10::Event>> retiring_;
   std::unordered_map<c10::DeviceIndex, c10::Stream> copy_streams_;
+  std::vector<PendingTiming> pending_timings_;
+  std::map<std::string, CopyTimes> copy_times_; // by op
 };
+
+void Offloader::add_time_locked(const std::string& op, Timed what, int64_t ns) {
+  const CopyTimes t = copy_times(what, ns);
+  stats_.timed += t;
+  copy_times_[op] += t;
+}
+
+void Offloader::resolve_timings_locked(bool wait) {
+  auto done = std::remove_if(
+      pending_timings_.begin(), pending_timings_.end(), [&](PendingTiming& p) {
+        if (wait) {
+          p.end.synchronize();
+        } else if (!p.end.query()) {
+          return false;
+        }
+        const double ms = p.start.elapsedTime(p.end);
+        add_time_locked(p.op, p.what, static_cast<int64_t>(ms * 1e6));
+        return true;
+      });
+  pending_timings_.erase(done, pending_timings_.end());
+}
 
 c10::Stream Offloader::copy_stream(c10::Device device) {
   auto it = copy_streams_.find(device.index());
@@ -274,7 +361,11 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
   at::Tensor dst = host_pool.bytes(s.host);
   const at::Tensor src = storage_bytes(s.source, s.device);
   if (s.device.is_cpu()) {
+    const auto copy_start = std::chrono::steady_clock::now();
     dst.copy_(src);
+    const int64_t ns = elapsed_ns(copy_start);
+    add_time_locked(s.op, Timed::D2H, ns);
+    add_time_locked(s.op, Timed::Waited, ns); // on the compute thread
     finish_copy_out_locked(s);
   } else {
     const c10::Stream side = copy_stream(s.device);
@@ -282,7 +373,9 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
     s.produced.reset();
     {
       const c10::StreamGuard on_side(side);
+      StreamTimer timer(options_.time_copies, side);
       dst.copy_(src, /*non_blocking=*/true);
+      timer.finish(s.op, Timed::D2H, pending_timings_);
     }
     s.d2h.emplace(s.device.type());
     s.d2h->record(side);
@@ -332,7 +425,11 @@ c10::Storage Offloader::copy_in_locked(OffloadedStorage& s) {
   // for the allocation instead.
   at::Tensor dst = at::empty({s.nbytes}, at::TensorOptions().dtype(at::kByte).device(s.device));
   if (s.device.is_cpu()) {
+    const auto copy_start = std::chrono::steady_clock::now();
     dst.copy_(src);
+    const int64_t ns = elapsed_ns(copy_start);
+    add_time_locked(s.op, Timed::H2D, ns);
+    add_time_locked(s.op, Timed::Waited, ns); // on the compute thread
     s.h2d.reset();
   } else {
     const c10::impl::VirtualGuardImpl impl(s.device.type());
@@ -342,7 +439,9 @@ c10::Storage Offloader::copy_in_locked(OffloadedStorage& s) {
     allocated.block(side);
     {
       const c10::StreamGuard on_side(side);
+      StreamTimer timer(options_.time_copies, side);
       dst.copy_(src, /*non_blocking=*/true);
+      timer.finish(s.op, Timed::H2D, pending_timings_);
     }
     s.h2d.emplace(s.device.type());
     s.h2d->record(side);
@@ -469,8 +568,11 @@ c10::Storage Offloader::reload(OffloadedStorage& s, bool* consumed) {
     stats_.late_bytes += s.nbytes;
   }
   if (s.h2d && out.unsafeGetStorageImpl() != s.source.unsafeGetStorageImpl()) {
-    const c10::impl::VirtualGuardImpl impl(s.device.type());
-    s.h2d->block(impl.getStream(s.device)); // the consumer waits, the host does not
+    const c10::Stream consumer = c10::impl::VirtualGuardImpl(s.device.type()).getStream(s.device);
+    // The consumer waits, the host does not; the timer sees how long.
+    StreamTimer timer(options_.time_copies, consumer);
+    s.h2d->block(consumer);
+    timer.finish(s.op, Timed::Waited, pending_timings_);
   }
   if (out.unsafeGetStorageImpl() != s.source.unsafeGetStorageImpl()) {
     s.reloaded = c10::weak_intrusive_ptr<c10::StorageImpl>(out.getWeakStorageImpl());
@@ -511,8 +613,10 @@ void Offloader::before_write(const c10::StorageImpl* storage) {
     copy_out_locked(s); // ordered before the write on the compute stream
   }
   if (s.where == OffloadedStorage::Where::Copying) {
-    const c10::impl::VirtualGuardImpl impl(s.device.type());
-    s.d2h->block(impl.getStream(s.device)); // the write waits for the copy
+    const c10::Stream writer = c10::impl::VirtualGuardImpl(s.device.type()).getStream(s.device);
+    StreamTimer timer(options_.time_copies, writer);
+    s.d2h->block(writer); // the write waits for the copy
+    timer.finish(s.op, Timed::Waited, pending_timings_);
   }
 }
 
@@ -563,6 +667,7 @@ void Offloader::synchronize(bool trim) {
     r.second.synchronize();
   }
   poll_locked();
+  resolve_timings_locked(/*wait=*/true);
   if (trim) {
     pinned_pool_.trim();
     stand_in_pool_.trim();
@@ -702,6 +807,10 @@ void set_options(const OffloadOptions& o) {
 
 OffloadStats stats() {
   return Offloader::get().stats();
+}
+
+std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op() {
+  return Offloader::get().copy_times_by_op();
 }
 
 void reset_peaks() {

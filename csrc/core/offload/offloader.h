@@ -38,6 +38,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "csrc/core/offload/host_pool.h"
 #include "csrc/core/tensor_geometry.h"
@@ -59,6 +61,31 @@ struct OffloadOptions {
   // CPU tensors are offloaded to a stand-in host pool (tests, bookkeeping
   // without a GPU). Off: a CPU tensor is not offloadable.
   bool cpu_stand_in = false;
+  // Times every copy and every wait of compute on one, with timing events
+  // on the device (the profiler turns it on; a few microseconds per copy).
+  // The CPU stand-in's copies are timed on the host clock either way.
+  bool time_copies = false;
+};
+
+// Time spent on the copies of one op's outputs (or of all of them), in
+// device time: the copies themselves, and how long compute waited for them
+// (a reload not complete when its consumer ran, a write waiting for a copy
+// out). On the CPU stand-in the copies run on the compute thread, so all of
+// their time is waited. Filled where copies are timed (time_copies, or the
+// CPU stand-in).
+struct CopyTimes {
+  int64_t d2h_ns = 0;
+  int64_t h2d_ns = 0;
+  int64_t waited_ns = 0;
+  int64_t waits = 0; // timed waits (reloads and writes that waited on a copy)
+
+  CopyTimes& operator+=(const CopyTimes& o) {
+    d2h_ns += o.d2h_ns;
+    h2d_ns += o.h2d_ns;
+    waited_ns += o.waited_ns;
+    waits += o.waits;
+    return *this;
+  }
 };
 
 struct OffloadStats {
@@ -80,6 +107,7 @@ struct OffloadStats {
   int64_t peak_prefetched_bytes = 0;
   int64_t d2h_ns = 0; // host time spent issuing copies (CPU stand-in: the copies)
   int64_t h2d_ns = 0;
+  CopyTimes timed; // the timed copies and waits, completed ones only
   HostPoolStats host;
 };
 
@@ -161,6 +189,9 @@ OffloadOptions options();
 // Raises ValueError on a bad value.
 void set_options(const OffloadOptions& options);
 OffloadStats stats();
+// stats().timed per op (the op that made the storage, "aten::mm.default"),
+// since the process started.
+std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op();
 void reset_peaks();
 // Waits for every running copy, and frees unused host chunks when `trim`.
 void synchronize(bool trim);
