@@ -32,6 +32,8 @@ from torch_sac import _compat  # noqa: E402
 import helpers  # noqa: E402
 from models import MODEL_BUILDERS, Stack  # noqa: E402
 
+helpers.warm_up_first_backward()  # before any reference is computed
+
 aten = torch.ops.aten
 
 SAVE_POLICIES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)

@@ -14,6 +14,7 @@ The streams, events and pinned memory are tested in test_cuda.py
 import contextlib
 import functools
 import gc
+import statistics
 
 import pytest
 import torch
@@ -810,13 +811,82 @@ def test_plan_peak_offloads_where_it_pays(stand_in, mlp_step):
     target = int(plain * 0.7)
     plan = torch_sac.policies.plan_peak(loss, peak_bytes=target, offload=True)
     assert plan.offloaded, plan.table()
-    assert "offload matmuls" in plan.blocks
+    assert any("offload" in option for option in plan.blocks), plan.blocks
     assert "offloaded to host memory" in plan.table()
     before = torch_sac.offload.stats()["offloaded"]
     got, peak = grads(torch_sac.sac_context(plan))
     assert_same(got, want)
     assert peak <= target
     assert torch_sac.offload.stats()["offloaded"] > before
+
+
+def _step_blocks(loss, model):
+    """The planner's view of ``loss``'s blocks under ``model`` (an
+    OffloadModel), as plan_peak builds it."""
+    from torch_sac.planners.peak_search import Planner
+    from torch_sac.planners.step_state import StepState
+
+    state = StepState()
+    state.find(loss, (), {})
+    planner = Planner(loss, (), {}, 1, "test", state, "auto", True)
+    planner.offload_model = lambda: model
+    planner.plain_run()
+    return planner.step_blocks()
+
+
+def test_offload_options_per_tensor_what_compute_hides(stand_in, mlp_step):
+    """Priced as on a GPU (copies overlap compute), with a link that hides
+    about one activation of 1 MiB per block forward: the "offload hidden"
+    options move the largest tensors that fit in what the link hides, at
+    no time over the option they start from; "offload all" moves every
+    tensor the block keeps but its own output, and costs the copies'
+    exposed time."""
+    from torch_sac.planners.block_options import OFFLOAD_ALL, OffloadModel
+
+    loss, _ = mlp_step
+    act = 1024 * 256 * 4
+    probe = _step_blocks(loss, None)
+    forward_seconds = statistics.median(b.full_seconds for b in probe.chain)
+    bandwidth = 1.5 * act / forward_seconds  # 1.5 activations per block forward
+    model = OffloadModel(bandwidth, bandwidth, overlaps=True, prefetch_bytes=1 << 30)
+    step = _step_blocks(loss, model)
+    records = step.profile.records
+    with_hidden = 0
+    for j, (block, options) in enumerate(zip(step.chain, step.options)):
+        by_name = {o.name: (o, saved, offloaded) for o, saved, offloaded in options}
+        keep_all, _, _ = by_name["keep all"]
+        everything, _, all_calls = by_name[OFFLOAD_ALL]
+        # A block keeps its input and its two tanh's outputs (autograd needs
+        # no addmm output); the last one also its output, which the loss
+        # saves. The add making the next block's input leaves it on the
+        # device: that block counts it.
+        held = (keep_all.kept - block.input_bytes) // act
+        assert held == (3 if j == len(step.chain) - 1 else 2)
+        # What the link does not carry during the block's forward stays.
+        lag = model.lagging_bytes(held * act, block.full_seconds)
+        assert everything.kept == block.input_bytes + lag
+        assert everything.seconds == pytest.approx(
+            model.exposed_seconds(held * act, block.full_seconds)
+        )
+        if j < len(step.chain) - 1:
+            assert all(records[i].op._schema.name != "aten::add" for i in all_calls)
+        # The hidden option moves as many as fit, the earliest first (none:
+        # no option; all: the same as "offload all", listed once).
+        fit = min(held, model.hidden_bytes(block.full_seconds) // act)
+        assert (lag > 0) == (model.hidden_bytes(block.full_seconds) < held * act)
+        if fit in (0, held):
+            assert "keep all + offload hidden" not in by_name
+            continue
+        with_hidden += 1
+        hidden, _, offloaded = by_name["keep all + offload hidden"]
+        assert keep_all.kept - hidden.kept == fit * act and len(offloaded) == fit
+        assert offloaded == sorted(all_calls)[:fit]
+        assert hidden.seconds == keep_all.seconds == 0.0
+        assert hidden.backward_extra == fit * act
+    assert with_hidden >= len(step.chain) // 2
+    # Copies that never overlap (the stand-in as it is): no hidden options.
+    slow = OffloadModel(bandwidth, bandwidth, overlaps=False, prefetch_bytes=1 << 30)
+    assert model.hidden_bytes(1.0) > 0 and slow.hidden_bytes(1.0) == 0
 
 
 def test_plan_peak_offloads_nothing_where_copies_cost_more(stand_in, mlp_step, monkeypatch):
@@ -910,7 +980,7 @@ def test_frontier_with_offload(stand_in, mlp_step):
     labels = [p.label for p in curve.points]
     assert "torch_sac offload_matmuls per block" in labels
     planned = [p for p in curve.points if p.kind == "plan" and p.blocks]
-    assert any("offload matmuls" in p.blocks for p in planned), curve.table()
+    assert any("offload" in option for p in planned for option in p.blocks), curve.table()
     with pytest.raises(TypeError, match="offload must be None, True or False"):
         torch_sac.policies.frontier(loss, offload=1)
 

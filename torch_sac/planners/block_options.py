@@ -13,15 +13,32 @@ block's input, so backward can rebuild it):
 * ``knapsack N%``: the budget planner's solution (``_C.budget_solve``, value
   the calls' measured time) at N % of the block's activations;
 * ``input``: nothing but the input (``torch.utils.checkpoint`` on the block);
-* ``offload matmuls`` (when the step can offload, :class:`OffloadModel`):
-  the matmuls' outputs in host memory instead of on the device, the rest
-  recomputed from them. Its time is the matmuls option's replay plus the
-  copies' time that compute cannot hide (bytes over the measured bandwidth,
-  less the block's forward time for the copy out and its backward time for
-  the copy back, on a GPU; all of it on the CPU stand-in, whose copies are
-  synchronous); its backward holds the next block's tensors prefetched
-  meanwhile. Where the copies cost more than recomputing, the solver does
-  not choose it.
+* when the step can offload (:class:`OffloadModel`), options keeping some
+  of what another option keeps in host memory instead of on the device:
+
+  - ``offload matmuls``: the matmuls' outputs, the rest recomputed from
+    them;
+  - ``offload all``: everything the block keeps (torchtune's and
+    ``save_on_cpu``'s recipe, per block);
+  - ``keep all + offload hidden`` and ``matmuls + offload hidden``: of what
+    those options keep, the largest tensors whose copies the block's own
+    compute hides (bytes up to the measured bandwidth times its forward
+    time out, and times its backward time back), so that they cost no
+    time: per tensor, as much offload as the link can carry;
+  - ``offloaded input``: only the input, and that in host memory
+    (fairscale's ``offload_to_cpu`` checkpointing): the least a block can
+    keep.
+
+  They keep the other option's bytes less those moved, plus those whose
+  copy out the block's forward does not hide (still on the device while
+  the copy stream catches up). Their time is the kept option's replay plus
+  the copies' time that compute cannot hide (bytes over the measured bandwidth, less the block's forward
+  time for the copy out and its backward time for the copy back, on a GPU;
+  all of it on the CPU stand-in, whose copies are synchronous); their
+  backward holds the next block's tensors prefetched meanwhile. Tensors
+  below ``min_bytes`` stay on the device (``PREFER_OFFLOAD`` keeps them), so
+  they are not counted as moved. Where the copies cost more than
+  recomputing, the solver does not choose them.
 
 A block that starts a longer segment keeps only its input; the blocks after
 it in the segment keep nothing (``checkpoint_sequential``). What runs
@@ -41,7 +58,10 @@ from .region_numbering import op_name
 __all__ = [
     "KNAPSACK_SHARES",
     "MATMULS",
+    "OFFLOAD_ALL",
+    "OFFLOAD_HIDDEN",
     "OFFLOAD_MATMULS",
+    "OFFLOADED_INPUT",
     "NotAChain",
     "OffloadModel",
     "StepBlocks",
@@ -57,19 +77,48 @@ MATMULS = frozenset(_C.matmul_op_names())
 
 #: The name of the option offloading a block's matmul outputs.
 OFFLOAD_MATMULS = "offload matmuls"
+#: The name of the option keeping everything, in host memory where it can.
+OFFLOAD_ALL = "offload all"
+#: The name of the option keeping only the block's input, in host memory.
+OFFLOADED_INPUT = "offloaded input"
+#: The suffix of the options offloading what the block's compute hides.
+OFFLOAD_HIDDEN = " + offload hidden"
 
 
 @dataclasses.dataclass(frozen=True)
 class OffloadModel:
     """What offloading costs on the step's device: measured bandwidth
     (bytes per second, device to host and back), whether copies overlap
-    compute (on a GPU's copy stream; not on the CPU stand-in) and the
-    prefetch window (``torch_sac.offload``'s ``prefetch_bytes``)."""
+    compute (on a GPU's copy stream; not on the CPU stand-in), the
+    prefetch window and the size below which ``PREFER_OFFLOAD`` keeps a
+    tensor on the device (``torch_sac.offload``'s ``prefetch_bytes`` and
+    ``min_bytes``)."""
 
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     overlaps: bool
     prefetch_bytes: int
+    min_bytes: int = 0
+
+    def hidden_bytes(self, forward_seconds):
+        """The bytes a block whose forward takes ``forward_seconds`` can
+        move out and back with no exposed copy time (0 where copies do not
+        overlap compute)."""
+        if not self.overlaps:
+            return 0
+        return int(
+            min(self.d2h_bytes_per_s * forward_seconds, self.h2d_bytes_per_s * 2 * forward_seconds)
+        )
+
+    def lagging_bytes(self, nbytes, forward_seconds):
+        """Of ``nbytes`` offloaded by a block whose forward takes
+        ``forward_seconds``, those whose copy out its compute does not
+        hide: the copy stream lags behind forward by them, so they stay on
+        the device, counted here as if until forward's end (0 where copies
+        are synchronous: the CPU stand-in)."""
+        if not self.overlaps:
+            return 0
+        return max(0, int(nbytes - self.d2h_bytes_per_s * forward_seconds))
 
     def exposed_seconds(self, nbytes, forward_seconds):
         """The copies' time compute cannot hide, for ``nbytes`` moved out in
@@ -171,10 +220,12 @@ class StepBlocks:
                 # Made outside the blocks (kept anyway) or outside the step.
                 self.input_calls.append(None)
                 input_bytes.append(0)
-        self.offloads = offload is not None  # whether blocks have the offload option
+        self.offloads = offload is not None  # whether blocks have the offload options
+        # Calls making a block's input stay on the device (see offloading()).
+        boundary_calls = {i for i in self.input_calls if i is not None}
         self.options = []  # per block: [(ChainOption, saved record indices)]
         chain = []
-        for s, in_bytes, module in zip(spans, input_bytes, blocks):
+        for s, in_bytes, input_call, module in zip(spans, input_bytes, self.input_calls, blocks):
             calls = [i for i in range(s.start, s.end) if records[i].saveable]
 
             def held(saved, span=s):
@@ -208,7 +259,49 @@ class StepBlocks:
                 saved = sorted(saved)
                 chosen = set(saved)
                 seconds = sum(records[i].seconds for i in every if i not in chosen)
-                return ChainOption(name, kept(saved), seconds), saved
+                return ChainOption(name, kept(saved), seconds), saved, []
+
+            def offloading(name, base, calls, share=None, full_seconds=full_seconds):
+                """``base`` (an option) with the outputs of ``calls`` that
+                it keeps in host memory: all of them, or (``share``) the
+                largest ones up to that many bytes; None if none moves."""
+                base_option, saved, _ = base
+                held_now = held(saved)
+                moves = []
+                for i in calls:
+                    own = [
+                        st
+                        for st in records[i].new_storages
+                        if st in held_now and storages[st].nbytes >= offload.min_bytes
+                    ]
+                    # A call making the next block's input keeps it: that
+                    # block counts it (and reads it first in backward).
+                    if own and i not in boundary_calls:
+                        moves.append((sum(storages[st].nbytes for st in own), i))
+                if share is not None:
+                    # The largest first; among equals the earliest, whose
+                    # copy out has the most of the forward to hide behind
+                    # and whose copy back the most of the backward.
+                    moves.sort(key=lambda m: (-m[0], m[1]))
+                    chosen, room = [], share
+                    for nbytes, i in moves:
+                        if nbytes <= room:
+                            chosen.append((nbytes, i))
+                            room -= nbytes
+                    moves = chosen
+                moved = sum(nbytes for nbytes, _ in moves)
+                if not moved:
+                    return None
+                return (
+                    ChainOption(
+                        name,
+                        base_option.kept - moved + offload.lagging_bytes(moved, full_seconds),
+                        base_option.seconds + offload.exposed_seconds(moved, full_seconds),
+                        min(offload.prefetch_bytes, moved),
+                    ),
+                    saved,
+                    sorted(i for _, i in moves),
+                )
 
             # Keeping everything keeps the calls whose outputs are written
             # later too (dropout's mask: empty_like, bernoulli_, div_): a
@@ -216,38 +309,52 @@ class StepBlocks:
             # no random mask is drawn again in backward. (Only policies that
             # cache a call's output at the call, PyTorch's SAC and the
             # drop-in, cannot; a plan runs as a region.)
-            options = [option("keep all", every)]
+            keep_all = option("keep all", every)
             matmuls = [i for i in calls if records[i].op._schema.name in MATMULS]
-            options.append(option("matmuls", matmuls))
-            if offload is not None and matmuls:
-                # The matmuls' own outputs go to the host; what else they
-                # keep (an input, a boundary) stays.
-                made = {st for i in matmuls for st in records[i].new_storages}
-                moved = sum(storages[st].nbytes for st in held(matmuls) & made)
-                if moved:
-                    base_option, _ = options[-1]
-                    options.append(
-                        (
-                            ChainOption(
-                                OFFLOAD_MATMULS,
-                                base_option.kept - moved,
-                                base_option.seconds + offload.exposed_seconds(moved, full_seconds),
-                                min(offload.prefetch_bytes, moved),
-                            ),
-                            sorted(matmuls),
-                        )
-                    )
+            with_matmuls = option("matmuls", matmuls)
+            options = [keep_all, with_matmuls]
+            if offload is not None:
+                hidden = offload.hidden_bytes(full_seconds)
+                options += [
+                    # The matmuls' own outputs go to the host; what else
+                    # they keep (an input, a boundary) stays.
+                    offloading(OFFLOAD_MATMULS, with_matmuls, matmuls),
+                    offloading(OFFLOAD_ALL, keep_all, every),
+                ]
+                if hidden:
+                    options += [
+                        offloading("keep all" + OFFLOAD_HIDDEN, keep_all, every, hidden),
+                        offloading("matmuls" + OFFLOAD_HIDDEN, with_matmuls, matmuls, hidden),
+                    ]
+                options = [o for o in options if o is not None]
             activation = kept(every)
             for share in KNAPSACK_SHARES:
                 options.append(
                     option(f"knapsack {share:.0%}", self._knapsack(calls, int(share * activation)))
                 )
-            options.append(option("input", []))
+            recompute_all = option("input", [])
+            options.append(recompute_all)
+            if offload is not None and input_call is not None and in_bytes >= offload.min_bytes:
+                # Its input too (fairscale's offload_to_cpu): the previous
+                # block's last call offloads it, and this block reads it
+                # back first thing in its backward.
+                options.append(
+                    (
+                        ChainOption(
+                            OFFLOADED_INPUT,
+                            offload.lagging_bytes(in_bytes, full_seconds),
+                            recompute_all[0].seconds + offload.exposed_seconds(in_bytes, full_seconds),
+                            min(offload.prefetch_bytes, in_bytes),
+                        ),
+                        [],
+                        [input_call],
+                    )
+                )
             options = _distinct(options)
             self.options.append(options)
             chain.append(
                 ChainBlock(
-                    options=tuple(o for o, _ in options),
+                    options=tuple(o for o, _, _ in options),
                     input_bytes=in_bytes,
                     activation=activation,
                     full_seconds=full_seconds,
@@ -285,19 +392,18 @@ class StepBlocks:
             if self.input_calls[block] is not None:
                 saved.add(self.input_calls[block])
             if choice.option != "segment start":
-                names = {o.name: calls for o, calls in self.options[block]}
+                names = {o.name: calls for o, calls, _ in self.options[block]}
                 saved.update(names[choice.option])
         return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
 
     def offloaded_calls(self, choices: list[BlockChoice]) -> list[tuple[str, int]]:
-        """Of :meth:`saved_calls`, those kept in host memory (the blocks
-        whose option is :data:`OFFLOAD_MATMULS`)."""
+        """Of :meth:`saved_calls`, those whose outputs are kept in host
+        memory (by the offload options chosen)."""
         records = self.profile.records
         moved = set()
         for block, choice in enumerate(choices):
-            if choice.option == OFFLOAD_MATMULS:
-                names = {o.name: calls for o, calls in self.options[block]}
-                moved.update(names[OFFLOAD_MATMULS])
+            names = {o.name: offloaded for o, _, offloaded in self.options[block]}
+            moved.update(names.get(choice.option, ()))
         return sorted((op_name(records[i].op), records[i].call_index) for i in moved)
 
     def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
@@ -318,11 +424,12 @@ class StepBlocks:
 
 
 def _distinct(options):
-    """Options saving the same calls once (the first name kept)."""
+    """Options saving and offloading the same calls once (the first name
+    kept)."""
     seen, kept = set(), []
-    for option, saved in options:
-        key = (option.name == OFFLOAD_MATMULS, tuple(saved))
+    for option, saved, offloaded in options:
+        key = (tuple(saved), tuple(offloaded))
         if key not in seen:
             seen.add(key)
-            kept.append((option, saved))
+            kept.append((option, saved, offloaded))
     return kept

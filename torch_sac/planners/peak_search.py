@@ -356,6 +356,7 @@ class Planner:
             h2d_bytes_per_s=bandwidth["h2d_bytes_per_s"],
             overlaps=self.device.type == "cuda",
             prefetch_bytes=options.prefetch_bytes,
+            min_bytes=options.min_bytes,
         )
 
     def forward_run(self, call):
