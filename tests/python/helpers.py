@@ -245,9 +245,7 @@ def run_isolated(code, *, limit=HANG_LIMIT_S, cwd=None):
     """
     launcher = (
         "import faulthandler, sys\n"
-        "import torch, torch_sac\n"
-        + WARM_UP
-        + f"print({_READY!r}, flush=True)\n"
+        "import torch, torch_sac\n" + WARM_UP + f"print({_READY!r}, flush=True)\n"
         f"faulthandler.dump_traceback_later({float(limit)!r}, exit=True)\n"
         "exec(compile(sys.argv[1], '<isolated>', 'exec'), {'__name__': '__main__'})\n"
     )

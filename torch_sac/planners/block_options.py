@@ -343,7 +343,8 @@ class StepBlocks:
                         ChainOption(
                             OFFLOADED_INPUT,
                             offload.lagging_bytes(in_bytes, full_seconds),
-                            recompute_all[0].seconds + offload.exposed_seconds(in_bytes, full_seconds),
+                            recompute_all[0].seconds
+                            + offload.exposed_seconds(in_bytes, full_seconds),
                             min(offload.prefetch_bytes, in_bytes),
                         ),
                         [],
