@@ -889,6 +889,41 @@ def test_offload_options_per_tensor_what_compute_hides(stand_in, mlp_step):
     assert model.hidden_bytes(1.0) > 0 and slow.hidden_bytes(1.0) == 0
 
 
+def test_any_mix_of_block_options_is_bitwise(stand_in, mlp_step):
+    """Random choices over the whole plan space with offload (every option,
+    segments of several blocks, offloaded inputs next to offloading or
+    recomputing neighbours) run as the plan would: gradients bitwise."""
+    import random
+
+    from torch_sac.planners.block_options import OffloadModel
+    from torch_sac.planners.chain import BlockChoice
+    from torch_sac.schedule import ReplaySchedule
+
+    loss, grads = mlp_step
+    want, _ = grads()
+    model = OffloadModel(1e9, 1e9, overlaps=True, prefetch_bytes=1 << 30)
+    step = _step_blocks(loss, model)
+    n = len(step.chain)
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(24):
+        choices, j = [], 0
+        while j < n:
+            if rng.random() < 0.2 and j < n - 1:
+                e = rng.randrange(j + 1, n)
+                choices.append(BlockChoice("segment start", (j, e)))
+                choices += [BlockChoice("in segment", (j, e))] * (e - j)
+                j = e + 1
+            else:
+                choices.append(BlockChoice(rng.choice(step.chain[j].options).name, (j, j)))
+                j += 1
+        seen.update(c.option for c in choices)
+        policy = ReplaySchedule([], step.saved_calls(choices)).policy(step.offloaded_calls(choices))
+        got, _ = grads(torch_sac.sac_context(policy))
+        assert_same(got, want, f"choices {[c.option for c in choices]}")
+    assert {"offload all", "offloaded input", "offload matmuls"} <= seen, seen
+
+
 def test_plan_peak_offloads_nothing_where_copies_cost_more(stand_in, mlp_step, monkeypatch):
     """A host link so slow that every copy costs more than recomputing: the
     planner is free to offload nothing, and does."""
@@ -979,6 +1014,7 @@ def test_frontier_with_offload(stand_in, mlp_step):
     curve = torch_sac.policies.frontier(loss, fractions=(0.7,), rounds=1, offload=True)
     labels = [p.label for p in curve.points]
     assert "torch_sac offload_matmuls per block" in labels
+    assert "offload everything saved" in labels
     planned = [p for p in curve.points if p.kind == "plan" and p.blocks]
     assert any("offload" in option for p in planned for option in p.blocks), curve.table()
     with pytest.raises(TypeError, match="offload must be None, True or False"):

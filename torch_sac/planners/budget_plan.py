@@ -521,9 +521,11 @@ def plan_peak(
             largest model ``fn`` refers to; a list of modules plans over
             those (each must run once per step, one after the other);
             ``None`` plans the step as one chain of op calls only.
-        offload: whether a block may keep its matmuls' outputs in host
-            memory (``plan.offloaded``; :mod:`torch_sac.offload`), chosen
-            where the copies' time that compute cannot hide, on the
+        offload: whether a block may keep activations in host memory
+            (its matmuls' outputs, everything it keeps, as much of either
+            as the link hides behind its compute, or its input;
+            ``plan.offloaded``; :mod:`torch_sac.offload`, docs/offload.md),
+            chosen where the copies' time that compute cannot hide, on the
             bandwidth measured before planning, costs less than
             recomputing. ``None`` (default): where the step runs on a GPU.
             ``True`` on the CPU needs ``torch_sac.offload.using(cpu_stand_in=True)``

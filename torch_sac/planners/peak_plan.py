@@ -71,7 +71,10 @@ class PeakPlan(RegionPlan):
             keeps, in call order: ``"keep all"``, ``"matmuls"``,
             ``"knapsack N%"`` (the budget planner's choice at N % of the
             block's activations), ``"input"`` (checkpointed),
-            ``"offload matmuls"`` (the matmuls' outputs in host memory), or
+            ``"offload matmuls"`` (the matmuls' outputs in host memory),
+            ``"offload all"``, ``"keep all + offload hidden"``,
+            ``"matmuls + offload hidden"``, ``"offloaded input"`` (see
+            docs/offload.md), or
             ``"segment start"`` / ``"in segment"`` (several blocks
             checkpointed as one, as ``checkpoint_sequential``); else None.
         offloaded: of :attr:`saved`, the calls kept in host memory

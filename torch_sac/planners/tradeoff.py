@@ -22,7 +22,7 @@ from .._op_profile import format_bytes
 from ..checkpointing import checkpoint as sac_checkpoint
 from ..region import in_region
 from ..schedule import ReplaySchedule
-from .block_options import MATMULS
+from .block_options import MATMULS, OFFLOAD_ALL
 from .checks import check_blocks, check_callable, check_examples
 from .peak_plan import block_runs
 from .peak_search import Planner, at_the_chains_floor, plan_for_peak
@@ -263,10 +263,11 @@ def frontier(
             refers to) or a list of modules.
         recipes: measure the recipes too.
         rounds: timed runs of each point (medians are reported).
-        offload: whether plans may keep blocks' matmul outputs in host
-            memory, as for :func:`~torch_sac.policies.plan_peak` (default:
-            where the step runs on a GPU); then the recipes include
-            ``torch_sac offload_matmuls per block`` too.
+        offload: whether plans may keep activations in host memory, as
+            for :func:`~torch_sac.policies.plan_peak` (default: where the
+            step runs on a GPU); then the recipes include
+            ``torch_sac offload_matmuls per block`` and ``offload everything
+            saved`` (torchtune's recipe) too.
 
     Returns:
         A :class:`Frontier`: ``print(f.table())``, ``f.plot("frontier.png")``.
@@ -365,6 +366,18 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                     install=lambda: _wrapped(modules, lambda i: _own_offload_matmuls),
                 )
             )
+            # torchtune's and save_on_cpu's recipe: everything saved goes to
+            # host memory (here as the plan space's option, per block).
+            if all(OFFLOAD_ALL in {o.name for o in b.options} for b in step.chain):
+                offload_all = step.recipe(OFFLOAD_ALL)
+                points.append(
+                    region_point(
+                        "offload everything saved",
+                        "recipe",
+                        step.saved_calls(offload_all),
+                        step.offloaded_calls(offload_all),
+                    )
+                )
         k = max(2, round(math.sqrt(n)))
         points.append(
             region_point(f"segments of {k} blocks", "recipe", step.saved_calls(step.recipe("", k)))
