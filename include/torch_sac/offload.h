@@ -14,6 +14,9 @@
 //   ...train...
 //   auto s = torch_sac::offload::stats();    // bytes offloaded, late reloads, host pool peak
 //
+// With o.time_copies = true, copies and the waits of compute on them are
+// timed with device events: stats().timed, and copy_times_by_op() per op.
+//
 // See docs/offload.md for what is offloaded, what is not and why.
 
 #include "csrc/core/offload/offloader.h"
