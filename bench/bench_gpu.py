@@ -244,7 +244,7 @@ class Row:
         self.name = name
         self.install = install  # model, layers -> undo (None: nothing to install)
         self.plan_fraction = plan_fraction
-        self.offload = offload  # a peak plan's plan_peak(offload=...)
+        self.plan_offload = offload  # a peak plan's plan_peak(offload=...)
         self.plan = None
         self.plan_target = None
         self.note = ""
@@ -640,14 +640,16 @@ def bench_model(args, dev, name, spec, deadline):
         log(f"[{name}] planning {row.name}: target {fmt_bytes(target)}")
         t = time.perf_counter()
         try:
-            row.plan = torch_sac.policies.plan_peak(b.loss, peak_bytes=target, offload=row.offload)
+            row.plan = torch_sac.policies.plan_peak(
+                b.loss, peak_bytes=target, offload=row.plan_offload
+            )
             row.plan_target = target
             plan_seconds = time.perf_counter() - t
             offloaded = len(row.plan.offloaded or ())
             row.note = (
                 f"target {fmt_bytes(target)}, planned {fmt_bytes(row.plan.measured_peak)}; "
                 f"{row.plan.solver}, {row.plan.replayed_ops} replays"
-                + (f", {offloaded} calls offloaded" if row.offload else "")
+                + (f", {offloaded} calls offloaded" if row.plan_offload else "")
                 + f"; planned in {plan_seconds:.1f} s"
             )
             log(f"[{name}] {row.name}: {row.note}")
@@ -718,13 +720,18 @@ def bench_model(args, dev, name, spec, deadline):
             continue
         import torch_sac
 
-        with torch_sac.offload.using(time_copies=True):
-            torch_sac.offload.synchronize()
-            before = torch_sac.offload.stats()
-            b.run(row)
-            dev.sync()
-            torch_sac.offload.synchronize()
-            after = torch_sac.offload.stats()
+        try:
+            with torch_sac.offload.using(time_copies=True):
+                torch_sac.offload.synchronize()
+                before = torch_sac.offload.stats()
+                b.run(row)
+                dev.sync()
+                torch_sac.offload.synchronize()
+                after = torch_sac.offload.stats()
+        except Exception as exc:  # noqa: BLE001 - the row says why
+            row.note = (row.note + "; " if row.note else "") + f"timed copies: {first_line(exc)}"
+            recover(dev)
+            continue
         row.offload["copy_ms"] = (
             sum(after[k] - before[k] for k in ("d2h_copy_ns", "h2d_copy_ns")) / 1e6
         )

@@ -31,7 +31,11 @@ def format_table(data, max_rows, sort_by):
     if t["regions"]:
         regions += " (engine: " + ", ".join(f"{n} {e}" for e, n in by_engine.items() if n) + ")"
     lines.append(f"{title}: {regions}, device {data['device']}, adapter {data['adapter']}")
-    rows = [r for r in data["ops"] if r["saved"] or r["dropped"] or r["replayed"]]
+    rows = [
+        r
+        for r in data["ops"]
+        if r["saved"] or r["dropped"] or r["replayed"] or r.get("copy_ns") or r.get("waited_ns")
+    ]
     hidden = len(data["ops"]) - len(rows)
     keys = {
         "bytes": lambda r: -(r["saved_bytes"] + r["dropped_bytes"]),
@@ -51,7 +55,9 @@ def format_table(data, max_rows, sort_by):
         # Multiple recomputation (a replay budget or schedule): the most
         # times one call was replayed, per op.
         most = any(r.get("most_replays", 0) > 1 for r in data["ops"])
-        offloads = any(r.get("offloaded") for r in data["ops"])
+        offloads = any(
+            r.get("offloaded") or r.get("copy_ns") or r.get("waited_ns") for r in data["ops"]
+        )
         header = ["op", "saved", "dropped", "kept", "dropped", "replayed"]
         units = ["", "calls", "calls", "bytes", "bytes", ""]
         if offloads:

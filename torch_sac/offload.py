@@ -194,8 +194,9 @@ def reset_peak_stats() -> None:
 
 
 def synchronize(trim: bool = False) -> None:
-    """Waits for every copy still running; with ``trim``, returns the host
-    pool's unused chunks."""
+    """Waits for every copy still running (and, where copies are timed, for
+    the timings of copies and waits to be known); with ``trim``, returns the
+    host pool's unused chunks."""
     _C.offload_synchronize(trim)
 
 

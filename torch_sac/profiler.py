@@ -649,9 +649,10 @@ class profile:
         )
         now = offload.stats()
         moved = {k: now[k] - self._offload_start[k] for k in _OFFLOAD_DELTAS}
-        totals["offload"] = (
-            {**moved, **{k: now[k] for k in _OFFLOAD_PEAKS}} if moved["offloaded_bytes"] else None
-        )
+        # Copies in either direction (a profile around backward alone sees
+        # only the reloads), or waits on them.
+        copied = moved["offloaded_bytes"] or moved["reloaded_bytes"] or moved["waited_ns"]
+        totals["offload"] = {**moved, **{k: now[k] for k in _OFFLOAD_PEAKS}} if copied else None
         if self._count_flops:
             totals.update(
                 {

@@ -78,7 +78,7 @@ void register_offload(py::module_& m) {
     }
     return by_op;
   });
-  m.def("offload_host_in_use_bytes", [] { return offload::stats().host.in_use_bytes; });
+  m.def("offload_host_in_use_bytes", &offload::host_in_use_bytes);
   m.def("offload_reset_peaks", &offload::reset_peaks);
   m.def(
       "offload_synchronize", &offload::synchronize, py::arg("trim"),

@@ -18,20 +18,22 @@ block's input, so backward can rebuild it):
 
   - ``offload matmuls``: the matmuls' outputs, the rest recomputed from
     them;
-  - ``offload all``: everything the block keeps (torchtune's and
-    ``save_on_cpu``'s recipe, per block);
+  - ``offload all``: everything the block keeps, its input included
+    (torchtune's and ``save_on_cpu``'s recipe, per block);
   - ``keep all + offload hidden`` and ``matmuls + offload hidden``: of what
     those options keep, the largest tensors whose copies the block's own
     compute hides (bytes up to the measured bandwidth times its forward
-    time out, and times its backward time back), so that they cost no
-    time: per tensor, as much offload as the link can carry;
+    time out, and times its backward time back), its input among them, so
+    that they cost no time: per tensor, as much offload as the link can
+    carry;
   - ``offloaded input``: only the input, and that in host memory
     (fairscale's ``offload_to_cpu`` checkpointing): the least a block can
     keep.
 
   They keep the other option's bytes less those moved, plus those whose
   copy out the block's forward does not hide (still on the device while
-  the copy stream catches up). Their time is the kept option's replay plus
+  the copy stream catches up; counted as kept by the block, so the model
+  charges them through the later blocks' backward too: conservative). Their time is the kept option's replay plus
   the copies' time that compute cannot hide (bytes over the measured bandwidth, less the block's forward
   time for the copy out and its backward time for the copy back, on a GPU;
   all of it on the CPU stand-in, whose copies are synchronous); their
@@ -114,8 +116,8 @@ class OffloadModel:
         """Of ``nbytes`` offloaded by a block whose forward takes
         ``forward_seconds``, those whose copy out its compute does not
         hide: the copy stream lags behind forward by them, so they stay on
-        the device, counted here as if until forward's end (0 where copies
-        are synchronous: the CPU stand-in)."""
+        the device a while (the options count them as kept, which is
+        conservative; 0 where copies are synchronous: the CPU stand-in)."""
         if not self.overlaps:
             return 0
         return max(0, int(nbytes - self.d2h_bytes_per_s * forward_seconds))
@@ -223,7 +225,8 @@ class StepBlocks:
         self.offloads = offload is not None  # whether blocks have the offload options
         # Calls making a block's input stay on the device (see offloading()).
         boundary_calls = {i for i in self.input_calls if i is not None}
-        self.options = []  # per block: [(ChainOption, saved record indices)]
+        # per block: [(ChainOption, saved record indices, offloaded record indices)]
+        self.options = []
         chain = []
         for s, in_bytes, input_call, module in zip(spans, input_bytes, self.input_calls, blocks):
             calls = [i for i in range(s.start, s.end) if records[i].saveable]
@@ -261,13 +264,27 @@ class StepBlocks:
                 seconds = sum(records[i].seconds for i in every if i not in chosen)
                 return ChainOption(name, kept(saved), seconds), saved, []
 
-            def offloading(name, base, calls, share=None, full_seconds=full_seconds):
+            def offloading(
+                name,
+                base,
+                calls,
+                share=None,
+                with_input=False,
+                full_seconds=full_seconds,
+                input_call=input_call,
+                in_bytes=in_bytes,
+            ):
                 """``base`` (an option) with the outputs of ``calls`` that
-                it keeps in host memory: all of them, or (``share``) the
-                largest ones up to that many bytes; None if none moves."""
+                it keeps (and ``with_input``, its input) in host memory: all
+                of them, or (``share``) the largest ones up to that many
+                bytes; None if none moves."""
                 base_option, saved, _ = base
                 held_now = held(saved)
                 moves = []
+                if with_input and input_call is not None and in_bytes >= max(1, offload.min_bytes):
+                    # Made by the previous block's last call, which offloads
+                    # it for this block.
+                    moves.append((in_bytes, input_call))
                 for i in calls:
                     own = [
                         st
@@ -319,12 +336,20 @@ class StepBlocks:
                     # The matmuls' own outputs go to the host; what else
                     # they keep (an input, a boundary) stays.
                     offloading(OFFLOAD_MATMULS, with_matmuls, matmuls),
-                    offloading(OFFLOAD_ALL, keep_all, every),
+                    offloading(OFFLOAD_ALL, keep_all, every, with_input=True),
                 ]
                 if hidden:
                     options += [
-                        offloading("keep all" + OFFLOAD_HIDDEN, keep_all, every, hidden),
-                        offloading("matmuls" + OFFLOAD_HIDDEN, with_matmuls, matmuls, hidden),
+                        offloading(
+                            "keep all" + OFFLOAD_HIDDEN, keep_all, every, hidden, with_input=True
+                        ),
+                        offloading(
+                            "matmuls" + OFFLOAD_HIDDEN,
+                            with_matmuls,
+                            matmuls,
+                            hidden,
+                            with_input=True,
+                        ),
                     ]
                 options = [o for o in options if o is not None]
             activation = kept(every)

@@ -266,8 +266,9 @@ def frontier(
         offload: whether plans may keep activations in host memory, as
             for :func:`~torch_sac.policies.plan_peak` (default: where the
             step runs on a GPU); then the recipes include
-            ``torch_sac offload_matmuls per block`` and ``offload everything
-            saved`` (torchtune's recipe) too.
+            ``torch_sac offload_matmuls per block`` and ``offload
+            everything the blocks save`` (torchtune's recipe for the
+            blocks; what runs outside them stays on the device) too.
 
     Returns:
         A :class:`Frontier`: ``print(f.table())``, ``f.plot("frontier.png")``.
@@ -366,13 +367,13 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                     install=lambda: _wrapped(modules, lambda i: _own_offload_matmuls),
                 )
             )
-            # torchtune's and save_on_cpu's recipe: everything saved goes to
-            # host memory (here as the plan space's option, per block).
+            # torchtune's and save_on_cpu's recipe: everything the blocks save
+            # goes to host memory (the plan space's option, per block).
             if all(OFFLOAD_ALL in {o.name for o in b.options} for b in step.chain):
                 offload_all = step.recipe(OFFLOAD_ALL)
                 points.append(
                     region_point(
-                        "offload everything saved",
+                        "offload everything the blocks save",
                         "recipe",
                         step.saved_calls(offload_all),
                         step.offloaded_calls(offload_all),

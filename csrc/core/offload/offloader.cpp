@@ -197,6 +197,10 @@ class Offloader {
     s.timed = stats_.timed;
     return s;
   }
+  int64_t host_in_use_bytes() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pinned_pool_.stats().in_use_bytes + stand_in_pool_.stats().in_use_bytes;
+  }
   std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op() {
     std::lock_guard<std::mutex> lock(mutex_);
     resolve_timings_locked(/*wait=*/false);
@@ -267,18 +271,28 @@ void Offloader::add_time_locked(const std::string& op, Timed what, int64_t ns) {
 }
 
 void Offloader::resolve_timings_locked(bool wait) {
-  auto done = std::remove_if(
-      pending_timings_.begin(), pending_timings_.end(), [&](PendingTiming& p) {
-        if (wait) {
-          p.end.synchronize();
-        } else if (!p.end.query()) {
-          return false;
-        }
-        const double ms = p.start.elapsedTime(p.end);
-        add_time_locked(p.op, p.what, static_cast<int64_t>(ms * 1e6));
-        return true;
-      });
-  pending_timings_.erase(done, pending_timings_.end());
+  std::vector<PendingTiming> pending = std::exchange(pending_timings_, {});
+  size_t i = 0;
+  try {
+    for (; i < pending.size(); ++i) {
+      PendingTiming& p = pending[i];
+      if (wait) {
+        p.end.synchronize();
+      } else if (!p.end.query()) {
+        pending_timings_.push_back(std::move(p));
+        continue;
+      }
+      const double ms = p.start.elapsedTime(p.end);
+      add_time_locked(p.op, p.what, static_cast<int64_t>(ms * 1e6));
+    }
+  } catch (...) {
+    // A timing that cannot be read (a device error) is dropped; the ones
+    // after it stay pending, none is counted twice.
+    for (++i; i < pending.size(); ++i) {
+      pending_timings_.push_back(std::move(pending[i]));
+    }
+    throw;
+  }
 }
 
 c10::Stream Offloader::copy_stream(c10::Device device) {
@@ -410,6 +424,7 @@ void Offloader::poll_locked() {
             return true;
           }),
       copying_.end());
+  resolve_timings_locked(/*wait=*/false);
   retiring_.erase(
       std::remove_if(
           retiring_.begin(), retiring_.end(), [](const auto& r) { return r.second.query(); }),
@@ -811,6 +826,10 @@ OffloadStats stats() {
 
 std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op() {
   return Offloader::get().copy_times_by_op();
+}
+
+int64_t host_in_use_bytes() {
+  return Offloader::get().host_in_use_bytes();
 }
 
 void reset_peaks() {

@@ -192,8 +192,11 @@ OffloadStats stats();
 // stats().timed per op (the op that made the storage, "aten::mm.default"),
 // since the process started.
 std::vector<std::pair<std::string, CopyTimes>> copy_times_by_op();
+// stats().host.in_use_bytes, cheaply (a profiler reads it at every sample).
+int64_t host_in_use_bytes();
 void reset_peaks();
-// Waits for every running copy, and frees unused host chunks when `trim`.
+// Waits for every running copy (and for the timings of copies and waits,
+// when they are timed), and frees unused host chunks when `trim`.
 void synchronize(bool trim);
 
 } // namespace torch_sac::offload
