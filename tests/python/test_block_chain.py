@@ -220,6 +220,48 @@ def test_plan_over_blocks_fits_and_is_bitwise(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_offload_options_on_hf_models_are_bitwise(kind):
+    """Every block option with offload, in random mixes with segments, on
+    Hugging Face models (the CPU stand-in; priced as on a GPU whose blocks
+    hide a few tensors' copies, so the "hidden" options exist too)."""
+    import random
+
+    from test_offload import _HidesActivations, _step_blocks
+
+    from torch_sac.planners.chain import BlockChoice
+    from torch_sac.schedule import ReplaySchedule
+
+    model, batch, layers = hf_model(kind)
+
+    def step():
+        return model(**batch).loss
+
+    want_loss, want_grads, _ = run_step(model, batch)
+    with torch_sac.offload.using(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0):
+        blocks = _step_blocks(step, _HidesActivations(64 << 10))
+        n, rng, seen = len(blocks.chain), random.Random(0), set()
+        for _ in range(12):
+            choices, j = [], 0
+            while j < n:
+                if rng.random() < 0.2 and j < n - 1:
+                    e = rng.randrange(j + 1, n)
+                    choices.append(BlockChoice("segment start", (j, e)))
+                    choices += [BlockChoice("in segment", (j, e))] * (e - j)
+                    j = e + 1
+                else:
+                    choices.append(BlockChoice(rng.choice(blocks.chain[j].options).name, (j, j)))
+                    j += 1
+            seen.update(c.option for c in choices)
+            offloaded = blocks.offloaded_calls(choices)
+            policy = ReplaySchedule([], blocks.saved_calls(choices)).policy(offloaded)
+            got_loss, got_grads, _ = run_step(model, batch, torch_sac.sac_context(policy))
+            label = [c.option for c in choices]
+            assert torch.equal(got_loss, want_loss), label
+            assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads)), label
+    assert {"offload all", "offloaded input", "keep all + offload hidden"} <= seen, seen
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_no_refusal_at_per_block_checkpointing_peak(kind):
     # GPT-2 in training takes SDPA's math path, whose composite ops differ
     # under the profile's Python mode (add/add_): the plan's calls must be
