@@ -898,6 +898,20 @@ def test_offload_options_per_tensor_what_compute_hides(stand_in, mlp_step):
         assert keep_all.kept - hidden.kept == act and offloaded == all_calls[:1]
         assert hidden.seconds == keep_all.seconds == 0.0
         assert hidden.backward_extra == act
+    # Save or recompute per tensor: the block's calls most worth their
+    # bytes within 2.5 activations (its two addmm: the slowest ops) in host
+    # memory, the rest recomputed; the device keeps what checkpointing the
+    # block keeps.
+    step = _step_blocks(loss, _HidesActivations(int(2.5 * act)))
+    records = step.profile.records
+    for options in step.options:
+        by_name = {o.name: (o, saved, offloaded) for o, saved, offloaded in options}
+        recompute_all, _, _ = by_name["input"]
+        mixed, saved, offloaded = by_name["recompute + offload hidden"]
+        assert [records[i].op._schema.name for i in offloaded] == ["aten::addmm"] * 2
+        assert set(offloaded) <= set(saved)
+        assert mixed.kept == recompute_all.kept and mixed.backward_extra == 2 * act
+        assert mixed.seconds < recompute_all.seconds
     # Copies that never overlap compute (the stand-in as it is): none
     # hidden, and every byte whose copy out is not hidden stays a while.
     slow = OffloadModel(1e6, 1e6, overlaps=False, prefetch_bytes=1 << 30)
@@ -944,6 +958,7 @@ def test_any_mix_of_block_options_is_bitwise(stand_in, mlp_step):
         "offload matmuls",
         "keep all + offload hidden",
         "matmuls + offload hidden",
+        "recompute + offload hidden",
     }
     assert offloading <= seen, seen
 

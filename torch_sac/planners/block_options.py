@@ -21,11 +21,13 @@ block's input, so backward can rebuild it):
   - ``offload all``: everything the block keeps, its input included
     (torchtune's and ``save_on_cpu``'s recipe, per block);
   - ``keep all + offload hidden`` and ``matmuls + offload hidden``: of what
-    those options keep, the largest tensors whose copies the block's own
-    compute hides (bytes up to the measured bandwidth times its forward
-    time out, and times its backward time back), its input among them, so
-    that they cost no time: per tensor, as much offload as the link can
-    carry;
+    those options keep (the input among it), the largest tensors whose
+    copies the block's own compute hides (bytes up to the measured
+    bandwidth times its forward time out, and times its backward time
+    back), so that they cost no time: as much offload as the link carries;
+  - ``recompute + offload hidden``: per tensor, save or recompute: the calls
+    the budget planner finds most worth their bytes within what the link
+    hides, all in host memory, the rest recomputed from the input;
   - ``offloaded input``: only the input, and that in host memory
     (fairscale's ``offload_to_cpu`` checkpointing): the least a block can
     keep.
@@ -349,6 +351,14 @@ class StepBlocks:
                             matmuls,
                             hidden,
                             with_input=True,
+                        ),
+                        # Per tensor, save (in host memory) or recompute:
+                        # the knapsack's calls most worth their bytes, within
+                        # what the link hides; the rest recomputed.
+                        offloading(
+                            "recompute" + OFFLOAD_HIDDEN,
+                            option("recompute", self._knapsack(calls, hidden)),
+                            every,
                         ),
                     ]
                 options = [o for o in options if o is not None]
