@@ -801,6 +801,16 @@ class _MLPNet(nn.Module):
 
 
 @pytest.fixture
+def plan_stand_in(stand_in):
+    """The stand-in with a prefetch window of two activations: backward
+    brings back at most that ahead, so offloading lowers its peak (a window
+    as large as everything offloaded brings all of it back at once, and the
+    planner rightly does not offload)."""
+    with torch_sac.offload.using(prefetch_bytes=2 << 20):
+        yield
+
+
+@pytest.fixture
 def mlp_step():
     torch_sac.memory.install_counting_allocator()
     torch.manual_seed(0)
@@ -822,7 +832,7 @@ def mlp_step():
     return loss, grads
 
 
-def test_plan_peak_offloads_where_it_pays(stand_in, mlp_step):
+def test_plan_peak_offloads_where_it_pays(plan_stand_in, mlp_step):
     loss, grads = mlp_step
     want, plain = grads()
     target = int(plain * 0.7)
@@ -897,7 +907,7 @@ def test_offload_options_per_tensor_what_compute_hides(stand_in, mlp_step):
         hidden, _, offloaded = by_name["keep all + offload hidden"]
         assert keep_all.kept - hidden.kept == act and offloaded == all_calls[:1]
         assert hidden.seconds == keep_all.seconds == 0.0
-        assert hidden.backward_extra == act
+        assert hidden.offloaded == act
     # Save or recompute per tensor: the block's calls most worth their
     # bytes within 2.5 activations (its two addmm: the slowest ops) in host
     # memory, the rest recomputed; the device keeps what checkpointing the
@@ -910,7 +920,7 @@ def test_offload_options_per_tensor_what_compute_hides(stand_in, mlp_step):
         mixed, saved, offloaded = by_name["recompute + offload hidden"]
         assert [records[i].op._schema.name for i in offloaded] == ["aten::addmm"] * 2
         assert set(offloaded) <= set(saved)
-        assert mixed.kept == recompute_all.kept and mixed.backward_extra == 2 * act
+        assert mixed.kept == recompute_all.kept and mixed.offloaded == 2 * act
         assert mixed.seconds < recompute_all.seconds
     # Copies that never overlap compute (the stand-in as it is): none
     # hidden, and every byte whose copy out is not hidden stays a while.
@@ -963,7 +973,7 @@ def test_any_mix_of_block_options_is_bitwise(stand_in, mlp_step):
     assert offloading <= seen, seen
 
 
-def test_plan_peak_offloads_nothing_where_copies_cost_more(stand_in, mlp_step, monkeypatch):
+def test_plan_peak_offloads_nothing_where_copies_cost_more(plan_stand_in, mlp_step, monkeypatch):
     """A host link so slow that every copy costs more than recomputing: the
     planner is free to offload nothing, and does."""
     loss, grads = mlp_step
@@ -994,7 +1004,7 @@ def test_plan_peak_offload_defaults_and_errors(mlp_step):
     assert_clean()
 
 
-def test_plan_with_offload_saves_and_loads(stand_in, mlp_step, tmp_path):
+def test_plan_with_offload_saves_and_loads(plan_stand_in, mlp_step, tmp_path):
     loss, grads = mlp_step
     want, plain = grads()
     plan = torch_sac.policies.plan_peak(loss, peak_bytes=int(plain * 0.7), offload=True)
@@ -1046,7 +1056,7 @@ def test_write_in_another_region_after_offload_keeps_the_replay_exact(stand_in):
     assert_same([got], [want])
 
 
-def test_frontier_with_offload(stand_in, mlp_step):
+def test_frontier_with_offload(plan_stand_in, mlp_step):
     """frontier(offload=True): the offload recipe is measured beside the
     others, and plans may offload (at 0.7x here they do)."""
     loss, _ = mlp_step

@@ -34,15 +34,18 @@ block's input, so backward can rebuild it):
 
   They keep the other option's bytes less those moved, plus those whose
   copy out the block's forward does not hide (still on the device while
-  the copy stream catches up; counted as kept by the block, so the model
-  charges them through the later blocks' backward too: conservative). Their time is the kept option's replay plus
-  the copies' time that compute cannot hide (bytes over the measured bandwidth, less the block's forward
-  time for the copy out and its backward time for the copy back, on a GPU;
-  all of it on the CPU stand-in, whose copies are synchronous); their
-  backward holds the next block's tensors prefetched meanwhile. Tensors
-  below ``min_bytes`` stay on the device (``PREFER_OFFLOAD`` keeps them), so
-  they are not counted as moved. Where the copies cost more than
-  recomputing, the solver does not choose them.
+  the copy stream catches up; counted as kept by the block, which also
+  charges them through the later blocks' backward: conservative). What
+  offloading holds on the device anyway (the prefetch window, the last
+  ones offloaded) depends on the whole plan: the planner adds it to the
+  step's constant (:meth:`OffloadModel.held_bytes`). Their time is the
+  kept option's replay plus the copies' time that compute cannot hide
+  (bytes over the measured bandwidth, less the block's forward time for
+  the copy out and its backward time for the copy back, on a GPU; all of
+  it on the CPU stand-in, whose copies are synchronous). Tensors below
+  ``min_bytes`` stay on the device (``PREFER_OFFLOAD`` keeps them), so they
+  are not counted as moved. Where the copies cost more than recomputing,
+  the solver does not choose them.
 
 A block that starts a longer segment keeps only its input; the blocks after
 it in the segment keep nothing (``checkpoint_sequential``). What runs
@@ -93,16 +96,28 @@ OFFLOAD_HIDDEN = " + offload hidden"
 class OffloadModel:
     """What offloading costs on the step's device: measured bandwidth
     (bytes per second, device to host and back), whether copies overlap
-    compute (on a GPU's copy stream; not on the CPU stand-in), the
-    prefetch window and the size below which ``PREFER_OFFLOAD`` keeps a
-    tensor on the device (``torch_sac.offload``'s ``prefetch_bytes`` and
-    ``min_bytes``)."""
+    compute (on a GPU's copy stream; not on the CPU stand-in), and
+    ``torch_sac.offload``'s options that set what it holds on the device:
+    the prefetch window, the bytes offloaded last that stay, and the size
+    below which ``PREFER_OFFLOAD`` keeps a tensor on the device."""
 
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     overlaps: bool
     prefetch_bytes: int
     min_bytes: int = 0
+    keep_last_bytes: int = 0
+
+    def held_bytes(self, offloaded):
+        """What a plan keeping ``offloaded`` bytes in host memory holds of
+        them on the device anyway, ``(in backward, at forward's end)``: the
+        last ones offloaded (``keep_last_bytes``) stay until backward uses
+        them, and backward brings back up to ``prefetch_bytes`` ahead of
+        their use. Counted at every block's backward, which is
+        conservative: the window is full only while enough offloaded bytes
+        remain before the block."""
+        last = min(self.keep_last_bytes, offloaded)
+        return last + min(self.prefetch_bytes, offloaded), last
 
     def hidden_bytes(self, forward_seconds):
         """The bytes a block whose forward takes ``forward_seconds`` can
@@ -180,6 +195,8 @@ class StepBlocks:
 
     Attributes:
         chain: the :class:`~torch_sac.planners.chain.ChainBlock` of each block.
+        chain_on_device: the same without the options that offload.
+        offload: the :class:`OffloadModel` (None: no option offloads).
         outside: record indices of the calls outside the blocks (always kept).
         head_bytes: what the calls after the last block keep for backward.
     """
@@ -225,6 +242,7 @@ class StepBlocks:
                 self.input_calls.append(None)
                 input_bytes.append(0)
         self.offloads = offload is not None  # whether blocks have the offload options
+        self.offload = offload
         # Calls making a block's input stay on the device (see offloading()).
         boundary_calls = {i for i in self.input_calls if i is not None}
         # per block: [(ChainOption, saved record indices, offloaded record indices)]
@@ -316,7 +334,7 @@ class StepBlocks:
                         name,
                         base_option.kept - moved + offload.lagging_bytes(moved, full_seconds),
                         base_option.seconds + offload.exposed_seconds(moved, full_seconds),
-                        min(offload.prefetch_bytes, moved),
+                        offloaded=moved,
                     ),
                     saved,
                     sorted(i for _, i in moves),
@@ -380,7 +398,7 @@ class StepBlocks:
                             offload.lagging_bytes(in_bytes, full_seconds),
                             recompute_all[0].seconds
                             + offload.exposed_seconds(in_bytes, full_seconds),
-                            min(offload.prefetch_bytes, in_bytes),
+                            offloaded=in_bytes,
                         ),
                         [],
                         [input_call],
@@ -400,6 +418,13 @@ class StepBlocks:
                 )
             )
         self.chain = chain
+        # The chain without the offload options, and the most any choice
+        # over the blocks can keep in host memory.
+        self.chain_on_device = [
+            dataclasses.replace(b, options=tuple(o for o in b.options if not o.offloaded))
+            for b in chain
+        ]
+        self.offloadable = sum(max(o.offloaded for o in b.options) for b in chain)
 
     def _knapsack(self, calls, budget):
         """The calls the budget planner's solver saves within ``budget`` bytes

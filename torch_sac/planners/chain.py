@@ -50,6 +50,7 @@ __all__ = [
     "ChainSolution",
     "kept_bytes",
     "model_peak",
+    "offloaded_bytes",
     "solve_chain",
 ]
 
@@ -60,17 +61,17 @@ SLOTS = 400
 
 @dataclasses.dataclass(frozen=True)
 class ChainOption:
-    """What a block keeps when it ends its own segment: ``kept`` bytes
-    (its input included), ``seconds`` of replay in backward (and of copies
-    to and from host memory that compute cannot hide), and
-    ``backward_extra`` bytes its backward holds beyond the block's
-    activations (an offload option: the next block's tensors prefetched
-    meanwhile)."""
+    """What a block keeps when it ends its own segment: ``kept`` bytes on
+    the device (its input included), ``seconds`` of replay in backward (and
+    of copies to and from host memory that compute cannot hide), and
+    ``offloaded`` bytes it keeps in host memory instead (what offloading
+    holds on the device meanwhile depends on the whole plan:
+    :func:`offloaded_bytes`)."""
 
     name: str
     kept: int
     seconds: float
-    backward_extra: int = 0
+    offloaded: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,34 +137,37 @@ def _grads_after(blocks):
 
 
 def _segments(blocks, choices):
-    """``(j, e, kept, extra)`` for each segment ``[j..e]`` of ``choices``:
-    what forward keeps of it (its option's bytes, or only its input), and
-    what its backward holds beyond its activations (its option's
-    ``backward_extra``; none for a segment of several blocks)."""
+    """``(j, e, option)`` for each segment ``[j..e]`` of ``choices``: the
+    option it keeps, or None for a segment of several blocks (it keeps its
+    first block's input)."""
     options = {(j, o.name): o for j, b in enumerate(blocks) for o in b.options}
     j = 0
     while j < len(blocks):
         e = choices[j].segment[1]
-        if e == j:
-            option = options[(j, choices[j].option)]
-            yield j, e, option.kept, option.backward_extra
-        else:
-            yield j, e, blocks[j].input_bytes, 0
+        yield j, e, options[(j, choices[j].option)] if e == j else None
         j = e + 1
 
 
 def kept_bytes(blocks, choices):
     """What forward keeps of the blocks under ``choices``."""
-    return sum(kept for _, _, kept, _ in _segments(blocks, choices))
+    return sum(
+        blocks[j].input_bytes if option is None else option.kept
+        for j, _, option in _segments(blocks, choices)
+    )
+
+
+def offloaded_bytes(blocks, choices):
+    """What ``choices`` keep in host memory."""
+    return sum(option.offloaded for _, _, option in _segments(blocks, choices) if option)
 
 
 def model_peak(blocks, choices, base, forward_base):
     """The modelled peak of ``choices`` (a list of :class:`BlockChoice`)."""
     grads_after = _grads_after(blocks)
     kept_before, peak = 0, 0
-    for j, e, kept, extra in _segments(blocks, choices):
-        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e) + extra)
-        kept_before += kept
+    for j, e, option in _segments(blocks, choices):
+        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e))
+        kept_before += blocks[j].input_bytes if option is None else option.kept
     return max(peak, forward_base + kept_before)
 
 
@@ -213,8 +217,7 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
                 break
             if e == j:
                 alternatives = [
-                    (k, o.seconds, to_slots(o.kept), to_slots(held + o.backward_extra))
-                    for k, o in enumerate(blocks[j].options)
+                    (k, o.seconds, to_slots(o.kept), need) for k, o in enumerate(blocks[j].options)
                 ]
             else:
                 # The segment start replays all of itself too: its seconds

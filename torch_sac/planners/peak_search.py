@@ -50,7 +50,7 @@ from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
 from .block_options import NotAChain, OffloadModel, StepBlocks, chain_spans, find_step_blocks
-from .chain import kept_bytes, model_peak, solve_chain
+from .chain import kept_bytes, model_peak, offloaded_bytes, solve_chain
 from .peak_plan import PeakPlan
 from .region_numbering import region_call_names, renumber
 from .step_state import StepState
@@ -357,6 +357,7 @@ class Planner:
             overlaps=self.device.type == "cuda",
             prefetch_bytes=options.prefetch_bytes,
             min_bytes=options.min_bytes,
+            keep_last_bytes=options.keep_last_bytes,
         )
 
     def forward_run(self, call):
@@ -396,7 +397,7 @@ class Planner:
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
                 break
-            solution = solve_chain(chain, peak_bytes - offset, base, forward_base)
+            solution = solve_blocks(step, peak_bytes - offset, base, forward_base)
             if solution is None:
                 per_block = step.recipe("input")
                 if tried or model_peak(chain, per_block, base, forward_base) > peak_bytes * (
@@ -671,7 +672,35 @@ def _find_plan(planner):
 
 def at_the_chains_floor(blocks):
     """Whether a plan over blocks keeps nothing but inputs."""
-    return all(b in ("input", "segment start", "in segment") for b in blocks)
+    return all(b in ("input", "offloaded input", "segment start", "in segment") for b in blocks)
+
+
+def solve_blocks(step, peak, base, forward_base):
+    """The chain solver's solution for ``step`` (:class:`StepBlocks`), with
+    what offloading holds on the device counted: the least modelled time of
+    the plan keeping everything on the device and of the plans that may
+    offload, each solved with the bytes its offloading holds anyway
+    (``OffloadModel.held_bytes``) added to the step's constants, first for
+    the most any plan offloads, then for what that solution offloads (a
+    solution offloading no more than assumed is modelled conservatively)."""
+    best = solve_chain(step.chain_on_device, peak, base, forward_base)
+    if step.offload is None or not step.offloadable:
+        return best
+    assumed = step.offloadable
+    for _ in range(2):
+        in_backward, at_forward_end = step.offload.held_bytes(assumed)
+        solution = solve_chain(step.chain, peak, base + in_backward, forward_base + at_forward_end)
+        if solution is None:
+            break
+        moved = offloaded_bytes(step.chain, solution.choices)
+        if moved > assumed:
+            break
+        if best is None or solution.seconds < best.seconds:
+            best = solution
+        if moved == assumed:
+            break
+        assumed = moved
+    return best
 
 
 def _replay_ns(candidate):
