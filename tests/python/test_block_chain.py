@@ -226,9 +226,8 @@ def test_offload_options_on_hf_models_are_bitwise(kind):
     hide a few tensors' copies, so the "hidden" options exist too)."""
     import random
 
-    from test_offload import _HidesActivations, _step_blocks
+    from test_offload import _HidesActivations, _step_blocks, random_choices
 
-    from torch_sac.planners.chain import BlockChoice
     from torch_sac.schedule import ReplaySchedule
 
     model, batch, layers = hf_model(kind)
@@ -239,18 +238,9 @@ def test_offload_options_on_hf_models_are_bitwise(kind):
     want_loss, want_grads, _ = run_step(model, batch)
     with torch_sac.offload.using(cpu_stand_in=True, min_bytes=0, keep_last_bytes=0):
         blocks = _step_blocks(step, _HidesActivations(64 << 10))
-        n, rng, seen = len(blocks.chain), random.Random(0), set()
+        rng, seen = random.Random(0), set()
         for _ in range(12):
-            choices, j = [], 0
-            while j < n:
-                if rng.random() < 0.2 and j < n - 1:
-                    e = rng.randrange(j + 1, n)
-                    choices.append(BlockChoice("segment start", (j, e)))
-                    choices += [BlockChoice("in segment", (j, e))] * (e - j)
-                    j = e + 1
-                else:
-                    choices.append(BlockChoice(rng.choice(blocks.chain[j].options).name, (j, j)))
-                    j += 1
+            choices = random_choices(blocks, rng)
             seen.update(c.option for c in choices)
             offloaded = blocks.offloaded_calls(choices)
             policy = ReplaySchedule([], blocks.saved_calls(choices)).policy(offloaded)

@@ -490,13 +490,19 @@ def test_linear_module_model(stand_in):
 # --------------------------------------------------------------------------
 
 
-def test_profile_reports_offloads(stand_in, tmp_path):
-    chain = tanh_chain(6, width=128, batch=64)
+def profiled_offload_step(chain):
+    """A profile of one step of ``chain`` with its tanh outputs offloaded."""
     with torch_sac.profile() as prof:
         with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
             out = chain.forward()
         weighted(out).backward()
         del out
+    return prof
+
+
+def test_profile_reports_offloads(stand_in, tmp_path):
+    chain = tanh_chain(6, width=128, batch=64)
+    prof = profiled_offload_step(chain)
     data = prof.to_dict()
     (row,) = [r for r in data["ops"] if r["op"] == "aten::tanh.default"]
     assert row["offloaded"] == 6 and row["offloaded_bytes"] == 6 * chain.step_bytes
@@ -534,13 +540,7 @@ def test_profile_reports_offloads(stand_in, tmp_path):
 def test_profile_read_from_before_copy_times(stand_in):
     """A profile written before copies were timed reads back with no copy
     time: its rows get 0, its offload line no copy figures."""
-    chain = tanh_chain(3, width=128, batch=64)
-    with torch_sac.profile() as prof:
-        with torch_sac.sac_context(torch_sac.policies.offload_ops([aten.tanh])):
-            out = chain.forward()
-        weighted(out).backward()
-        del out
-    data = prof.to_dict()
+    data = profiled_offload_step(tanh_chain(3, width=128, batch=64)).to_dict()
     timed = ("copy_ns", "waited_ns")
     data["ops"] = [{k: v for k, v in r.items() if k not in timed} for r in data["ops"]]
     data["totals"]["offload"] = {
@@ -861,6 +861,25 @@ def _step_blocks(loss, model):
     return planner.step_blocks()
 
 
+def random_choices(step, rng):
+    """A random point of ``step``'s plan space (a StepBlocks): per block an
+    option, or (one time in five) a segment of several blocks."""
+    from torch_sac.planners.chain import BlockChoice
+
+    n = len(step.chain)
+    choices, j = [], 0
+    while j < n:
+        if rng.random() < 0.2 and j < n - 1:
+            e = rng.randrange(j + 1, n)
+            choices.append(BlockChoice("segment start", (j, e)))
+            choices += [BlockChoice("in segment", (j, e))] * (e - j)
+            j = e + 1
+        else:
+            choices.append(BlockChoice(rng.choice(step.chain[j].options).name, (j, j)))
+            j += 1
+    return choices
+
+
 class _HidesActivations:
     """OffloadModel's terms for tests: a link so fast that no copy costs
     time or lags, and blocks whose compute hides ``hidden`` bytes of copies
@@ -937,27 +956,16 @@ def test_any_mix_of_block_options_is_bitwise(stand_in, mlp_step):
     recomputing neighbours) run as the plan would: gradients bitwise."""
     import random
 
-    from torch_sac.planners.chain import BlockChoice
     from torch_sac.schedule import ReplaySchedule
 
     loss, grads = mlp_step
     want, _ = grads()
     act = 1024 * 256 * 4
     step = _step_blocks(loss, _HidesActivations(int(1.5 * act)))
-    n = len(step.chain)
     rng = random.Random(0)
     seen = set()
     for _ in range(24):
-        choices, j = [], 0
-        while j < n:
-            if rng.random() < 0.2 and j < n - 1:
-                e = rng.randrange(j + 1, n)
-                choices.append(BlockChoice("segment start", (j, e)))
-                choices += [BlockChoice("in segment", (j, e))] * (e - j)
-                j = e + 1
-            else:
-                choices.append(BlockChoice(rng.choice(step.chain[j].options).name, (j, j)))
-                j += 1
+        choices = random_choices(step, rng)
         seen.update(c.option for c in choices)
         policy = ReplaySchedule([], step.saved_calls(choices)).policy(step.offloaded_calls(choices))
         got, _ = grads(torch_sac.sac_context(policy))
