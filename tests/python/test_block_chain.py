@@ -2,6 +2,7 @@
 recipes as points of its space, ``plan_peak`` over Hugging Face models'
 blocks (fits, bitwise, saved and loaded) and ``frontier``."""
 
+import dataclasses
 import itertools
 import random
 
@@ -14,6 +15,7 @@ from torch_sac.planners.chain import (
     ChainBlock,
     ChainOption,
     model_peak,
+    offloaded_bytes,
     solve_chain,
 )
 
@@ -95,6 +97,63 @@ def test_the_chain_solver_is_optimal_up_to_its_rounding(seed):
         ]
         if tight:
             assert solution.seconds <= min(tight) + 1e-9
+
+
+class _OffloadStep:
+    """What solve_blocks reads of a StepBlocks: a random chain whose blocks
+    also have options keeping some bytes in host memory."""
+
+    def __init__(self, rng, n):
+        from torch_sac.planners.block_options import OffloadModel
+
+        self.chain = []
+        for b in random_chain(rng, n):
+            offloads = []
+            for k in range(rng.randint(1, 2)):
+                moved = rng.randint(1, b.activation - b.input_bytes)
+                seconds = rng.uniform(0, b.full_seconds)
+                offloads.append(ChainOption(f"off{k}", b.activation - moved, seconds, moved))
+            self.chain.append(dataclasses.replace(b, options=b.options + tuple(offloads)))
+        self.chain_on_device = [
+            dataclasses.replace(b, options=tuple(o for o in b.options if not o.offloaded))
+            for b in self.chain
+        ]
+        self.offloadable = sum(max(o.offloaded for o in b.options) for b in self.chain)
+        self.offload = OffloadModel(
+            1,
+            1,
+            overlaps=False,
+            prefetch_bytes=rng.choice([0, 20, 100, 400]),
+            keep_last_bytes=rng.choice([0, 10, 50, 200]),
+        )
+
+    def peak(self, choices, base, forward_base):
+        """The modelled peak with what its offloading holds on the device."""
+        in_backward, at_end = self.offload.held_bytes(offloaded_bytes(self.chain, choices))
+        return model_peak(self.chain, choices, base + in_backward, forward_base + at_end)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_offloading_plans_count_what_offloading_holds(seed):
+    """solve_blocks over chains with offload options (the prefetch window
+    and the last offloaded bytes held on the device, as much as the plan
+    offloads): its plan fits with what its own offloading holds, and is
+    never slower than the best plan keeping everything on the device."""
+    from torch_sac.planners.peak_search import solve_blocks
+
+    rng = random.Random(seed)
+    step = _OffloadStep(rng, rng.randint(2, 4))
+    base, forward_base = rng.randint(0, 100), rng.randint(0, 100)
+    everything = [(c, s, step.peak(c, base, forward_base)) for c, s in every_choice(step.chain)]
+    peaks = sorted(p for _, _, p in everything)
+    for peak in (peaks[0], peaks[len(peaks) // 4], peaks[len(peaks) // 2], peaks[-1]):
+        solution = solve_blocks(step, peak, base, forward_base)
+        on_device = solve_chain(step.chain_on_device, peak, base, forward_base)
+        if solution is None:
+            assert on_device is None
+            continue
+        assert step.peak(list(solution.choices), base, forward_base) <= peak
+        assert on_device is None or solution.seconds <= on_device.seconds
 
 
 def test_recipes_are_points_of_the_space_and_more_memory_is_never_slower():
