@@ -158,7 +158,8 @@ def stats() -> dict[str, int]:
     spent issuing copies; on the CPU stand-in, the copies themselves),
     ``d2h_copy_ns`` / ``h2d_copy_ns`` / ``waited_ns`` / ``waits`` (the timed
     copies' device time and how long compute waited for them, as
-    :func:`copy_times` sums them), ``host_in_use_bytes`` / ``host_peak_bytes`` / ``host_reserved_bytes`` /
+    :func:`copy_times` sums them), ``host_in_use_bytes`` /
+    ``host_peak_bytes`` / ``host_reserved_bytes`` /
     ``host_peak_reserved_bytes`` / ``host_chunks_allocated`` (the host pool).
     Peaks count from the last :func:`reset_peak_stats`.
     """

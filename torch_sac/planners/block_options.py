@@ -241,7 +241,6 @@ class StepBlocks:
                 # Made outside the blocks (kept anyway) or outside the step.
                 self.input_calls.append(None)
                 input_bytes.append(0)
-        self.offloads = offload is not None  # whether blocks have the offload options
         self.offload = offload
         # Calls making a block's input stay on the device (see offloading()).
         boundary_calls = {i for i in self.input_calls if i is not None}
@@ -379,7 +378,6 @@ class StepBlocks:
                             every,
                         ),
                     ]
-                options = [o for o in options if o is not None]
             activation = kept(every)
             for share in KNAPSACK_SHARES:
                 options.append(
@@ -387,24 +385,12 @@ class StepBlocks:
                 )
             recompute_all = option("input", [])
             options.append(recompute_all)
-            if offload is not None and input_call is not None and in_bytes >= offload.min_bytes:
-                # Its input too (fairscale's offload_to_cpu): the previous
-                # block's last call offloads it, and this block reads it
-                # back first thing in its backward.
-                options.append(
-                    (
-                        ChainOption(
-                            OFFLOADED_INPUT,
-                            offload.lagging_bytes(in_bytes, full_seconds),
-                            recompute_all[0].seconds
-                            + offload.exposed_seconds(in_bytes, full_seconds),
-                            offloaded=in_bytes,
-                        ),
-                        [],
-                        [input_call],
-                    )
-                )
-            options = _distinct(options)
+            if offload is not None:
+                # Its input too (fairscale's offload_to_cpu): this block
+                # reads it back first thing in its backward.
+                options.append(offloading(OFFLOADED_INPUT, recompute_all, [], with_input=True))
+            # An offload option that moves nothing is None.
+            options = _distinct([o for o in options if o is not None])
             self.options.append(options)
             chain.append(
                 ChainBlock(

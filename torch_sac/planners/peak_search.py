@@ -710,21 +710,6 @@ def solve_blocks(step, peak, base, forward_base):
                 best = solution
         assumed //= 2
     return best
-    assumed = step.offloadable
-    for _ in range(2):
-        in_backward, at_forward_end = step.offload.held_bytes(assumed)
-        solution = solve_chain(step.chain, peak, base + in_backward, forward_base + at_forward_end)
-        if solution is None:
-            break
-        moved = offloaded_bytes(step.chain, solution.choices)
-        if moved > assumed:
-            break
-        if best is None or solution.seconds < best.seconds:
-            best = solution
-        if moved == assumed:
-            break
-        assumed = moved
-    return best
 
 
 def _replay_ns(candidate):

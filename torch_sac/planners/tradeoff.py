@@ -359,7 +359,7 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
                 install=lambda: _wrapped(modules, lambda i: _own_matmuls),
             ),
         ]
-        if step.offloads:
+        if step.offload is not None:
             points.append(
                 FrontierPoint(
                     "torch_sac offload_matmuls per block",

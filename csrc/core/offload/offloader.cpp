@@ -190,11 +190,10 @@ class Offloader {
   }
   OffloadStats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
+    resolve_timings_locked(/*wait=*/false);
     OffloadStats s = stats_;
     s.host = pinned_pool_.stats();
     s.host += stand_in_pool_.stats();
-    resolve_timings_locked(/*wait=*/false);
-    s.timed = stats_.timed;
     return s;
   }
   int64_t host_in_use_bytes() {
@@ -237,6 +236,13 @@ class Offloader {
   void drop_prefetched_locked(OffloadedStorage& s);
   void poll_locked();
   void add_time_locked(const std::string& op, Timed what, int64_t ns);
+  // The CPU stand-in's copy dst <- src, on the compute thread: timed on the
+  // host clock, all of it waited.
+  void copy_on_this_thread_locked(
+      const std::string& op,
+      Timed what,
+      at::Tensor& dst,
+      const at::Tensor& src);
   // Adds the pending timings whose events completed (all of them, waiting,
   // when `wait`).
   void resolve_timings_locked(bool wait);
@@ -268,6 +274,18 @@ void Offloader::add_time_locked(const std::string& op, Timed what, int64_t ns) {
   const CopyTimes t = copy_times(what, ns);
   stats_.timed += t;
   copy_times_[op] += t;
+}
+
+void Offloader::copy_on_this_thread_locked(
+    const std::string& op,
+    Timed what,
+    at::Tensor& dst,
+    const at::Tensor& src) {
+  const auto start = std::chrono::steady_clock::now();
+  dst.copy_(src);
+  const int64_t ns = elapsed_ns(start);
+  add_time_locked(op, what, ns);
+  add_time_locked(op, Timed::Waited, ns);
 }
 
 void Offloader::resolve_timings_locked(bool wait) {
@@ -375,11 +393,7 @@ void Offloader::copy_out_locked(OffloadedStorage& s) {
   at::Tensor dst = host_pool.bytes(s.host);
   const at::Tensor src = storage_bytes(s.source, s.device);
   if (s.device.is_cpu()) {
-    const auto copy_start = std::chrono::steady_clock::now();
-    dst.copy_(src);
-    const int64_t ns = elapsed_ns(copy_start);
-    add_time_locked(s.op, Timed::D2H, ns);
-    add_time_locked(s.op, Timed::Waited, ns); // on the compute thread
+    copy_on_this_thread_locked(s.op, Timed::D2H, dst, src);
     finish_copy_out_locked(s);
   } else {
     const c10::Stream side = copy_stream(s.device);
@@ -440,11 +454,7 @@ c10::Storage Offloader::copy_in_locked(OffloadedStorage& s) {
   // for the allocation instead.
   at::Tensor dst = at::empty({s.nbytes}, at::TensorOptions().dtype(at::kByte).device(s.device));
   if (s.device.is_cpu()) {
-    const auto copy_start = std::chrono::steady_clock::now();
-    dst.copy_(src);
-    const int64_t ns = elapsed_ns(copy_start);
-    add_time_locked(s.op, Timed::H2D, ns);
-    add_time_locked(s.op, Timed::Waited, ns); // on the compute thread
+    copy_on_this_thread_locked(s.op, Timed::H2D, dst, src);
     s.h2d.reset();
   } else {
     const c10::impl::VirtualGuardImpl impl(s.device.type());
