@@ -53,6 +53,11 @@ class StorageRecord:
     owner: Optional[int] = None
     #: Saved for backward by autograd in the un-checkpointed forward.
     saved_by_autograd: bool = False
+    #: Where autograd saved it, as positions in the records: ``k`` is
+    #: between ``records[k - 1]`` (a node saving its output) and
+    #: ``records[k]`` (one saving its input). Backward unpacks it near there,
+    #: in reverse order.
+    saved_at: tuple = ()
 
 
 @dataclasses.dataclass
@@ -256,7 +261,7 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
     spans = []
 
     def pack(t):
-        saved.append(t)
+        saved.append((len(mode.records), t))
         return t
 
     def enter(index):
@@ -290,11 +295,12 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
     finally:
         for h in handles:
             h.remove()
-    for t in saved:
+    for position, t in saved:
         key, _ = _storage_key(t)
         idx = mode.storage_index.get(key)
         if idx is not None:
             mode.storages[idx].saved_by_autograd = True
+            mode.storages[idx].saved_at += (position,)
     for record, versions in zip(mode.records, mode.output_versions):
         for t, version in versions:
             if t._version != version:

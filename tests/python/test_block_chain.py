@@ -36,7 +36,14 @@ def random_chain(rng, n):
         options = [ChainOption("keep all", activation, 0.0)]
         for k in range(rng.randint(0, 2)):
             kept = rng.randint(input_bytes, activation)
-            options.append(ChainOption(f"opt{k}", kept, full * (1 - kept / activation)))
+            # What its backward holds: its activations, or less (it keeps
+            # part and rebuilds the rest as backward unpacks it).
+            in_backward = rng.choice([None, rng.randint(kept, activation)])
+            options.append(
+                ChainOption(
+                    f"opt{k}", kept, full * (1 - kept / activation), in_backward=in_backward
+                )
+            )
         options.append(ChainOption("input", input_bytes, full))
         blocks.append(ChainBlock(tuple(options), input_bytes, activation, full, rng.randint(0, 20)))
     return blocks
@@ -202,6 +209,27 @@ def test_a_segment_peaks_at_the_backward_of_any_of_its_blocks():
     assert solution is not None and solution.peak <= 2600
 
 
+def test_a_block_keeping_part_of_itself_fits_where_its_activations_do_not():
+    # Backward holds 400 of the block keeping "part" (100 kept, the rest
+    # rebuilt as it is unpacked), against all 1000 of it recomputed.
+    block = ChainBlock(
+        (
+            ChainOption("keep all", 1000, 0.0),
+            ChainOption("part", 100, 0.5, in_backward=400),
+            ChainOption("input", 10, 1.0),
+        ),
+        10,
+        1000,
+        1.0,
+        0,
+    )
+    assert model_peak([block], [BlockChoice("part", (0, 0))], 0, 0) == 400
+    assert model_peak([block], [BlockChoice("input", (0, 0))], 0, 0) == 1000
+    solution = solve_chain([block], 500, 0, 0)
+    assert solution is not None and [c.option for c in solution.choices] == ["part"]
+    assert solve_chain([block], 399, 0, 0) is None
+
+
 def test_nothing_fits_below_the_constant():
     blocks = random_chain(random.Random(1), 3)
     assert solve_chain(blocks, 100, 100, 0) is None
@@ -276,6 +304,46 @@ def test_plan_over_blocks_fits_and_is_bitwise(kind, tmp_path):
     got_loss, got_grads, _ = run_step(model, batch, torch_sac.sac_context(loaded))
     assert torch.equal(got_loss, want_loss)
     assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_the_byte_model_is_close_and_conservative_on_hf_models(kind):
+    """The chain model's peak against the measured one, for every option
+    on every block and for random mixes with segments: never under it
+    (beyond 1 %), at most 7 % over (before the model knew that a block
+    keeping part of itself rebuilds the rest as backward unpacks it, and
+    that the next block keeps the call making its input, "matmuls" on
+    every Llama block was modelled 12 % over)."""
+    from test_offload import random_choices
+
+    from torch_sac.planners.chain import kept_bytes
+    from torch_sac.planners.peak_search import Planner
+    from torch_sac.planners.step_state import StepState
+    from torch_sac.schedule import ReplaySchedule
+
+    model, batch, layers = hf_model(kind)
+
+    def step():
+        return model(**batch).loss
+
+    state = StepState()
+    state.find(step, (), {})
+    planner = Planner(step, (), {}, 1, "test", state, "auto", False)
+    plain = planner.plain_run().peak
+    blocks = planner.step_blocks()
+    chain = blocks.chain
+    forward_base = plain - kept_bytes(chain, blocks.recipe("keep all"))
+    base = forward_base - blocks.head_bytes
+    plans = [blocks.recipe(o.name) for o in chain[1].options]
+    rng = random.Random(0)
+    plans += [random_choices(blocks, rng) for _ in range(6)]
+    for choices in plans:
+        policy = ReplaySchedule([], blocks.saved_calls(choices)).policy()
+        _, _, measured = run_step(model, batch, torch_sac.sac_context(policy))
+        modelled = model_peak(chain, choices, base, forward_base)
+        label = [c.option for c in choices]
+        assert measured <= modelled * 1.01, (label, measured, modelled)
+        assert modelled <= measured * 1.07, (label, measured, modelled)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

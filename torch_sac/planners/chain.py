@@ -15,7 +15,11 @@ The model of one step (``block_options.py`` measures its terms):
   blocks ``j..i``, the parameters' gradients (``grad``) of the blocks after
   ``i`` and half of block ``i``'s (made as its activations go); after it,
   the activations of ``j..i-1`` and the gradients of ``i`` and after. The
-  segment's need is the most of these.
+  segment's need is the most of these. A block that is a segment of its
+  own holds less than its full activations where its option keeps part
+  of them: backward rebuilds a dropped tensor when a node first unpacks
+  it, and frees what it unpacked as it goes (``ChainOption.in_backward``,
+  simulated from the profile by ``block_options.py``).
 * Forward's end holds what every block keeps.
 * Everything else (parameters, what runs outside the blocks, workspace,
   the outputs) is a constant of the step: ``forward_base`` at forward's end
@@ -66,12 +70,15 @@ class ChainOption:
     of copies to and from host memory that compute cannot hide), and
     ``offloaded`` bytes it keeps in host memory instead (what offloading
     holds on the device meanwhile depends on the whole plan:
-    :func:`offloaded_bytes`)."""
+    :func:`offloaded_bytes`), and ``in_backward``, the most of the block
+    its own backward holds at once, its input included (None: all its
+    activations, :attr:`ChainBlock.activation`)."""
 
     name: str
     kept: int
     seconds: float
     offloaded: int = 0
+    in_backward: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +117,26 @@ class ChainSolution:
     peak: int  # the modelled peak, base included
 
 
-def _segment_need(blocks, grads_after, j, e):
+def _segment_need(blocks, grads_after, j, e, option=None):
     """The most a segment ``[j..e]`` holds above what blocks before it keep:
     as the backward of each block ``i`` in it starts, the activations of
     ``j..i`` and the gradients of the blocks after ``i``; as it ends, those
-    of ``j..i-1`` and the gradients of ``i`` and after."""
+    of ``j..i-1`` and the gradients of ``i`` and after. A segment of one
+    block keeping ``option`` holds what that option's backward holds."""
+    if option is not None:
+        return _own_need(blocks, grads_after, j, option)
     need, activation = 0, 0
     for i in range(j, e + 1):
         need = max(need, activation + grads_after[i])
         activation += blocks[i].activation
         need = max(need, activation + _during(blocks, grads_after, i))
     return need
+
+
+def _own_need(blocks, grads_after, j, option):
+    """:func:`_segment_need` of block ``j`` alone, keeping ``option``."""
+    held = blocks[j].activation if option.in_backward is None else option.in_backward
+    return max(grads_after[j], held + _during(blocks, grads_after, j))
 
 
 def _during(blocks, grads_after, i):
@@ -166,7 +182,7 @@ def model_peak(blocks, choices, base, forward_base):
     grads_after = _grads_after(blocks)
     kept_before, peak = 0, 0
     for j, e, option in _segments(blocks, choices):
-        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e))
+        peak = max(peak, base + kept_before + _segment_need(blocks, grads_after, j, e, option))
         kept_before += blocks[j].input_bytes if option is None else option.kept
     return max(peak, forward_base + kept_before)
 
@@ -209,16 +225,18 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
             replay += blocks[e].full_seconds
             # The segment's most, at the backward of one of its blocks
             # (_segment_need): it only grows with e, so a longer segment
-            # that does not fit is never tried.
+            # that does not fit is never tried (a block alone may still fit
+            # with an option keeping part of it).
             held = max(held, activation - blocks[e].activation + grads_after[e])
             held = max(held, activation + _during(blocks, grads_after, e))
             need = to_slots(held)
-            if need > slots:
-                break
             if e == j:
                 alternatives = [
-                    (k, o.seconds, to_slots(o.kept), need) for k, o in enumerate(blocks[j].options)
+                    (k, o.seconds, to_slots(o.kept), to_slots(_own_need(blocks, grads_after, j, o)))
+                    for k, o in enumerate(blocks[j].options)
                 ]
+            elif need > slots:
+                break
             else:
                 # The segment start replays all of itself too: its seconds
                 # are those of keeping only its input.
