@@ -135,6 +135,14 @@ def bench(kind, args):
         )
     else:
         print("plan at 0.30x: refused (below the least peak the planner measured)")
+    # What no plan goes below: backward ends holding every parameter's
+    # gradient (the parameters themselves are there before the step and
+    # are not counted).
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    print(
+        f"floor: the parameters' gradients, {grads / 2**20:.1f} MiB = {grads / none.peak:.2f}x "
+        "no checkpointing's peak, are held by every plan"
+    )
     plans = sorted((p for p in f.points if p.kind == "plan"), key=lambda p: p.target)
     worse = [
         (a.label, b.label)

@@ -84,6 +84,14 @@ _SHARE_RUNS = 2
 # Runs of plans the chain solver chose (chain_for): the first, and the same
 # solver aimed by the error the previous one measured (over or under).
 _CHAIN_RUNS = 3
+# chain_for stops once a plan fits this close under the peak (a share of
+# it); a plan further under aims the next one higher. Finer than the op-chain
+# search's resolution: the chain model is within 1-2 % on the benches'
+# models, so a tenth of a block's activations still buys replay time.
+_CHAIN_RESOLUTION = 1 / 64
+# The model's error measured on one plan aims the next this much (a share
+# of the peak) lower still: the error differs a little from plan to plan.
+_CHAIN_MARGIN = 1 / 256
 # The per-block checkpointing run is tried when the chain solver finds no
 # plan but its modelled peak is within this share of peak_bytes over it
 # (the model's error on the tests' models and the bench's: under 5 %).
@@ -391,23 +399,24 @@ class Planner:
         # backward, that less what the head keeps (freed by then).
         forward_base = self.plain.peak - kept_bytes(chain, step.recipe("keep all"))
         base = forward_base - step.head_bytes
-        resolution = max(int(peak_bytes * _RESOLUTION), 1)
-        offset, tried, best, best_seconds = 0, [], None, math.inf
+        resolution = max(int(peak_bytes * _CHAIN_RESOLUTION), 1)
+        margin = int(peak_bytes * _CHAIN_MARGIN)
+        error, tried, best, best_seconds = 0, [], None, math.inf
         self.chain_note = None
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
                 break
-            solution = solve_blocks(step, peak_bytes - offset, base, forward_base)
+            solution = solve_blocks(step, peak_bytes - error, base, forward_base)
             if solution is None:
                 per_block = step.recipe("input")
-                if tried or model_peak(chain, per_block, base, forward_base) > peak_bytes * (
-                    1 + _CHAIN_SLACK
-                ):
+                modelled = model_peak(chain, per_block, base, forward_base)
+                if tried or modelled > peak_bytes * (1 + _CHAIN_SLACK):
                     self.chain_note = "the chain's modelled least peak is above peak_bytes"
                     break
                 choices, seconds = per_block, sum(b.full_seconds for b in chain)
             else:
                 choices, seconds = list(solution.choices), solution.seconds
+                modelled = solution.peak
             saved = step.saved_calls(choices)
             offloaded = step.offloaded_calls(choices)
             if (saved, offloaded) in tried:
@@ -428,10 +437,10 @@ class Planner:
                     )
                 if peak_bytes - run.peak <= resolution:
                     break
-            # The model's error on this plan, signed: over the peak aims the
-            # next plan lower; well under it (the model overestimates what
-            # some options keep) aims it higher.
-            offset += run.peak - peak_bytes + resolution
+            # The model's error on this plan, signed: a plan measured over
+            # its modelled peak aims the next one lower; one under it (the
+            # model is conservative) aims it higher.
+            error = run.peak - modelled + margin
         if best is not None:
             return best
         if self.chain_note is None:
