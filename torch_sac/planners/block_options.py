@@ -164,7 +164,7 @@ def find_step_blocks(modules):
     return best if len(best) >= 2 else []
 
 
-def backward_held(profile: RegionProfile, span, held, boundaries) -> int:
+def _backward_held(profile: RegionProfile, span, held, boundaries) -> int:
     """The most of one block (``span``, its input excluded) that its own
     backward holds at once, when forward kept the storages ``held``: the
     region's rebuilds simulated on the profile.
@@ -354,7 +354,7 @@ class StepBlocks:
                 saved = sorted(saved)
                 chosen = set(saved)
                 seconds = sum(records[i].seconds for i in every if i not in chosen)
-                in_backward = in_bytes + backward_held(profile, span, held(saved), boundaries)
+                in_backward = in_bytes + _backward_held(profile, span, held(saved), boundaries)
                 return ChainOption(name, kept(saved), seconds, in_backward=in_backward), saved, []
 
             def offloading(
