@@ -12,14 +12,16 @@ The model of one step (``block_options.py`` measures its terms):
 * Backward of a segment ``[j..e]`` starts by rebuilding all of it: while
   the backward of its block ``i`` runs, memory holds what blocks before
   ``j`` keep, the full activations (``activation``, input included) of
-  blocks ``j..i``, the parameters' gradients (``grad``) of the blocks after
-  ``i`` and half of block ``i``'s (made as its activations go); after it,
-  the activations of ``j..i-1`` and the gradients of ``i`` and after. The
-  segment's need is the most of these. A block that is a segment of its
-  own holds less than its full activations where its option keeps part
-  of them: backward rebuilds a dropped tensor when a node first unpacks
-  it, and frees what it unpacked as it goes (``ChainOption.in_backward``,
-  simulated from the profile by ``block_options.py``).
+  blocks ``j..i-1``, block ``i`` as its rebuild holds it (``rebuilt``: its
+  activations and the replay's working set), the parameters' gradients
+  (``grad``) of the blocks after ``i`` and half of block ``i``'s (made as
+  its activations go); after it, the activations of ``j..i-1`` and the
+  gradients of ``i`` and after. The segment's need is the most of these.
+  A block that is a segment of its own holds less than its full
+  activations where its option keeps part of them: backward rebuilds a
+  dropped tensor when a node first unpacks it, and frees what it unpacked
+  as it goes (``ChainOption.in_backward``, simulated from the profile by
+  ``block_options.py``).
 * Forward's end holds what every block keeps.
 * Everything else (parameters, what runs outside the blocks, workspace,
   the outputs) is a constant of the step: ``forward_base`` at forward's end
@@ -92,6 +94,9 @@ class ChainBlock:
             rebuilt), its input included.
         full_seconds: replaying all of it.
         grad: bytes of its parameters' gradients.
+        rebuilt: the most its backward holds when it keeps nothing but
+            its input: its activations as the rebuild leaves them, and the
+            rebuild's own working set (None: ``activation``).
     """
 
     options: tuple[ChainOption, ...]
@@ -99,6 +104,11 @@ class ChainBlock:
     activation: int
     full_seconds: float
     grad: int = 0
+    rebuilt: int | None = None
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        return self.activation if self.rebuilt is None else self.rebuilt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +138,8 @@ def _segment_need(blocks, grads_after, j, e, option=None):
     need, activation = 0, 0
     for i in range(j, e + 1):
         need = max(need, activation + grads_after[i])
+        need = max(need, activation + blocks[i].rebuilt_bytes + _during(blocks, grads_after, i))
         activation += blocks[i].activation
-        need = max(need, activation + _during(blocks, grads_after, i))
     return need
 
 
@@ -221,14 +231,14 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS)
         activation, held = 0, 0
         replay = 0.0
         for e in range(j, min(n, j + max_segment)):
-            activation += blocks[e].activation
             replay += blocks[e].full_seconds
             # The segment's most, at the backward of one of its blocks
             # (_segment_need): it only grows with e, so a longer segment
             # that does not fit is never tried (a block alone may still fit
             # with an option keeping part of it).
-            held = max(held, activation - blocks[e].activation + grads_after[e])
-            held = max(held, activation + _during(blocks, grads_after, e))
+            held = max(held, activation + grads_after[e])
+            held = max(held, activation + blocks[e].rebuilt_bytes + _during(blocks, grads_after, e))
+            activation += blocks[e].activation
             need = to_slots(held)
             if e == j:
                 alternatives = [

@@ -401,16 +401,24 @@ class Planner:
         base = forward_base - step.head_bytes
         resolution = max(int(peak_bytes * _CHAIN_RESOLUTION), 1)
         margin = int(peak_bytes * _CHAIN_MARGIN)
-        error, tried, best, best_seconds = 0, [], None, math.inf
+        errors, tried, best, best_seconds = [], [], None, math.inf
         self.chain_note = None
         for _ in range(_CHAIN_RUNS):
             if self.runs_left() < 1:
                 break
+            # The model's error on the plans measured, signed (measured less
+            # modelled): the largest aims the next plan, lower after one over
+            # its model, higher while every one was under (the model is
+            # conservative). The largest, so a plan under its model never
+            # aims the next one back above a plan that went over.
+            error = max(errors) + margin if errors else 0
             solution = solve_blocks(step, peak_bytes - error, base, forward_base)
             if solution is None:
+                if tried:
+                    break
                 per_block = step.recipe("input")
                 modelled = model_peak(chain, per_block, base, forward_base)
-                if tried or modelled > peak_bytes * (1 + _CHAIN_SLACK):
+                if modelled > peak_bytes * (1 + _CHAIN_SLACK):
                     self.chain_note = "the chain's modelled least peak is above peak_bytes"
                     break
                 choices, seconds = per_block, sum(b.full_seconds for b in chain)
@@ -437,10 +445,7 @@ class Planner:
                     )
                 if peak_bytes - run.peak <= resolution:
                     break
-            # The model's error on this plan, signed: a plan measured over
-            # its modelled peak aims the next one lower; one under it (the
-            # model is conservative) aims it higher.
-            error = run.peak - modelled + margin
+            errors.append(run.peak - modelled)
         if best is not None:
             return best
         if self.chain_note is None:
