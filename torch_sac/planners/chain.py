@@ -129,8 +129,9 @@ class ChainSolution:
 
 def _segment_need(blocks, grads_after, j, e, option=None):
     """The most a segment ``[j..e]`` holds above what blocks before it keep:
-    as the backward of each block ``i`` in it starts, the activations of
-    ``j..i`` and the gradients of the blocks after ``i``; as it ends, those
+    during the backward of each block ``i`` in it, the activations of
+    ``j..i-1``, block ``i`` as its rebuild holds it and the gradients of the
+    blocks after ``i`` (and half of its own); as it ends, the activations
     of ``j..i-1`` and the gradients of ``i`` and after. A segment of one
     block keeping ``option`` holds what that option's backward holds."""
     if option is not None:
