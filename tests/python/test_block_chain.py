@@ -407,6 +407,53 @@ def test_no_refusal_at_per_block_checkpointing_peak(kind):
     assert plan.measured_peak <= per_block_peak
 
 
+class _Branches(torch.nn.Module):
+    # tanh and exp save their outputs, sin its input (the block's input).
+    def forward(self, x):
+        return torch.tanh(x) + torch.sin(x) + torch.exp(x)
+
+
+def test_a_block_rebuilt_from_its_input_holds_one_branch_at_a_time():
+    """Backward unpacks exp's output, then tanh's: rebuilt at its unpack,
+    each is freed once its node ran, so a block keeping only its input
+    holds one of them at a time, not both (its activations)."""
+    from torch_sac.planners.chain import kept_bytes
+    from torch_sac.planners.peak_search import Planner
+    from torch_sac.planners.step_state import StepState
+    from torch_sac.schedule import ReplaySchedule
+
+    embed = torch.nn.Linear(64, 64)
+    blocks = torch.nn.ModuleList([_Branches(), _Branches()])
+    x = torch.randn(32, 64)
+
+    def step():
+        h = embed(x)
+        for block in blocks:
+            h = block(h)
+        return h.sum()
+
+    state = StepState()
+    state.find(step, (), {})
+    planner = Planner(step, (), {}, 1, "test", state, list(blocks), False)
+    plain = planner.plain_run().peak
+    step_blocks = planner.step_blocks()
+    unit = 32 * 64 * 4
+    last = step_blocks.chain[1]
+    assert last.input_bytes == unit and last.activation == 3 * unit
+    input_only = next(o for o in last.options if o.kept == last.input_bytes)
+    assert input_only.in_backward == 2 * unit
+    assert last.rebuilt == 2 * unit
+    keep_all = next(o for o in last.options if o.name == "keep all")
+    assert keep_all.in_backward == last.activation
+    # Measured: the model (input, one branch, the constants) is not under.
+    chain = step_blocks.chain
+    choices = step_blocks.recipe(input_only.name)
+    forward_base = plain - kept_bytes(chain, step_blocks.recipe("keep all"))
+    base = forward_base - step_blocks.head_bytes
+    run = planner.run(ReplaySchedule([], step_blocks.saved_calls(choices)).policy())
+    assert run.peak <= model_peak(chain, choices, base, forward_base)
+
+
 class _SquareTanh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
