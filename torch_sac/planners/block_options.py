@@ -372,8 +372,8 @@ class StepBlocks:
                     and st not in boundaries
                 }
 
-            def kept(saved, in_bytes=in_bytes):
-                return in_bytes + sum(storages[st].nbytes for st in held(saved))
+            def kept(held_storages, in_bytes=in_bytes):
+                return in_bytes + sum(storages[st].nbytes for st in held_storages)
 
             every = range(s.start, s.end)
             full_seconds = sum(records[i].seconds for i in every)
@@ -382,8 +382,13 @@ class StepBlocks:
                 saved = sorted(saved)
                 chosen = set(saved)
                 seconds = sum(records[i].seconds for i in every if i not in chosen)
-                in_backward = in_bytes + _backward_held(profile, span, held(saved), boundaries)
-                return ChainOption(name, kept(saved), seconds, in_backward=in_backward), saved, []
+                held_storages = held(saved)
+                in_backward = in_bytes + _backward_held(profile, span, held_storages, boundaries)
+                return (
+                    ChainOption(name, kept(held_storages), seconds, in_backward=in_backward),
+                    saved,
+                    [],
+                )
 
             def offloading(
                 name,
@@ -482,7 +487,7 @@ class StepBlocks:
                             every,
                         ),
                     ]
-            activation = kept(every)
+            activation = keep_all[0].kept
             for share in KNAPSACK_SHARES:
                 options.append(
                     option(f"knapsack {share:.0%}", self._knapsack(calls, int(share * activation)))

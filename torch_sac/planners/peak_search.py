@@ -712,9 +712,9 @@ def solve_blocks(step, peak, base, forward_base):
         held = step.offload.held_bytes(assumed)
         if held not in solved:
             solved.add(held)
-            in_backward, at_forward_end = held
+            held_in_backward, held_at_forward_end = held
             solution = solve_chain(
-                step.chain, peak, base + in_backward, forward_base + at_forward_end
+                step.chain, peak, base + held_in_backward, forward_base + held_at_forward_end
             )
             if (
                 solution is not None
