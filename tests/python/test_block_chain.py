@@ -280,6 +280,28 @@ def run_step(model, batch, ctx=None):
     return loss.detach(), grads, m.peak
 
 
+@contextlib.contextmanager
+def planner_view(step, blocks="auto"):
+    """The planner's view of ``step`` as ``plan_peak`` builds it:
+    ``(planner, step_blocks, base, forward_base)``, the model's constants
+    calibrated on the run without checkpointing; the step's state is put
+    back on exit."""
+    from torch_sac.planners.chain import kept_bytes
+    from torch_sac.planners.peak_search import Planner
+    from torch_sac.planners.step_state import StepState
+
+    state = StepState()
+    state.find(step, (), {})
+    try:
+        planner = Planner(step, (), {}, 1 << 40, "test", state, blocks, False)
+        plain = planner.plain_run().peak
+        step_blocks = planner.step_blocks()
+        forward_base = plain - kept_bytes(step_blocks.chain, step_blocks.recipe("keep all"))
+        yield planner, step_blocks, forward_base - step_blocks.head_bytes, forward_base
+    finally:
+        state.restore()
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_plan_over_blocks_fits_and_is_bitwise(kind, tmp_path):
     model, batch, layers = hf_model(kind)
@@ -320,9 +342,6 @@ def test_the_byte_model_is_close_and_conservative_on_hf_models(kind):
     block was modelled 12 % over."""
     from test_offload import random_choices
 
-    from torch_sac.planners.chain import kept_bytes
-    from torch_sac.planners.peak_search import Planner
-    from torch_sac.planners.step_state import StepState
     from torch_sac.schedule import ReplaySchedule
 
     model, batch, layers = hf_model(kind)
@@ -330,24 +349,18 @@ def test_the_byte_model_is_close_and_conservative_on_hf_models(kind):
     def step():
         return model(**batch).loss
 
-    state = StepState()
-    state.find(step, (), {})
-    planner = Planner(step, (), {}, 1, "test", state, "auto", False)
-    plain = planner.plain_run().peak
-    blocks = planner.step_blocks()
-    chain = blocks.chain
-    forward_base = plain - kept_bytes(chain, blocks.recipe("keep all"))
-    base = forward_base - blocks.head_bytes
-    plans = [blocks.recipe(o.name) for o in chain[1].options]
-    rng = random.Random(0)
-    plans += [random_choices(blocks, rng) for _ in range(6)]
-    for choices in plans:
-        policy = ReplaySchedule([], blocks.saved_calls(choices)).policy()
-        _, _, measured = run_step(model, batch, torch_sac.sac_context(policy))
-        modelled = model_peak(chain, choices, base, forward_base)
-        label = [c.option for c in choices]
-        assert measured <= modelled * 1.08, (label, measured, modelled)
-        assert modelled <= measured * 1.10, (label, measured, modelled)
+    with planner_view(step) as (_, blocks, base, forward_base):
+        chain = blocks.chain
+        plans = [blocks.recipe(o.name) for o in chain[1].options]
+        rng = random.Random(0)
+        plans += [random_choices(blocks, rng) for _ in range(6)]
+        for choices in plans:
+            policy = ReplaySchedule([], blocks.saved_calls(choices)).policy()
+            _, _, measured = run_step(model, batch, torch_sac.sac_context(policy))
+            modelled = model_peak(chain, choices, base, forward_base)
+            label = [c.option for c in choices]
+            assert measured <= modelled * 1.08, (label, measured, modelled)
+            assert modelled <= measured * 1.10, (label, measured, modelled)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -419,9 +432,6 @@ def test_a_block_rebuilt_from_its_input_holds_one_branch_at_a_time():
     """Backward unpacks exp's output, then tanh's: rebuilt at its unpack,
     each is freed once its node ran, so a block keeping only its input
     holds one of them at a time, not both (its activations)."""
-    from torch_sac.planners.chain import kept_bytes
-    from torch_sac.planners.peak_search import Planner
-    from torch_sac.planners.step_state import StepState
     from torch_sac.schedule import ReplaySchedule
 
     embed = torch.nn.Linear(64, 64)
@@ -434,26 +444,19 @@ def test_a_block_rebuilt_from_its_input_holds_one_branch_at_a_time():
             h = block(h)
         return h.sum()
 
-    state = StepState()
-    state.find(step, (), {})
-    planner = Planner(step, (), {}, 1, "test", state, list(blocks), False)
-    plain = planner.plain_run().peak
-    step_blocks = planner.step_blocks()
     unit = 32 * 64 * 4
-    last = step_blocks.chain[1]
-    assert last.input_bytes == unit and last.activation == 3 * unit
-    input_only = next(o for o in last.options if o.kept == last.input_bytes)
-    assert input_only.in_backward == 2 * unit
-    assert last.rebuilt == 2 * unit
-    keep_all = next(o for o in last.options if o.name == "keep all")
-    assert keep_all.in_backward == last.activation
-    # Measured: the model (input, one branch, the constants) is not under.
-    chain = step_blocks.chain
-    choices = step_blocks.recipe(input_only.name)
-    forward_base = plain - kept_bytes(chain, step_blocks.recipe("keep all"))
-    base = forward_base - step_blocks.head_bytes
-    run = planner.run(ReplaySchedule([], step_blocks.saved_calls(choices)).policy())
-    assert run.peak <= model_peak(chain, choices, base, forward_base)
+    with planner_view(step, list(blocks)) as (planner, step_blocks, base, forward_base):
+        last = step_blocks.chain[1]
+        assert last.input_bytes == unit and last.activation == 3 * unit
+        input_only = next(o for o in last.options if o.kept == last.input_bytes)
+        assert input_only.in_backward == 2 * unit
+        assert last.rebuilt == 2 * unit
+        keep_all = next(o for o in last.options if o.name == "keep all")
+        assert keep_all.in_backward == last.activation
+        # Measured: the model (input, one branch, the constants) is not under.
+        choices = step_blocks.recipe(input_only.name)
+        run = planner.run(ReplaySchedule([], step_blocks.saved_calls(choices)).policy())
+    assert run.peak <= model_peak(step_blocks.chain, choices, base, forward_base)
 
 
 class _SquareTanh(torch.autograd.Function):
@@ -761,8 +764,6 @@ def test_keeping_every_block_whole_replays_nothing_with_dropout():
     # (dropout's empty_like/bernoulli_/div_): a region keeps the storage,
     # so backward draws no mask again (it did, and a plan keeping 6 of 8
     # TinyGPT blocks whole cost 1.19x the step instead of 1.04x).
-    from torch_sac.planners.peak_search import Planner
-    from torch_sac.planners.step_state import StepState
     from torch_sac.schedule import ReplaySchedule
 
     model, batch, layers = hf_model("gpt2")
@@ -770,15 +771,8 @@ def test_keeping_every_block_whole_replays_nothing_with_dropout():
     def step():
         return model(**batch).loss
 
-    state = StepState()
-    state.find(step, (), {})
-    try:
-        planner = Planner(step, (), {}, 1 << 40, "test", state)
-        planner.plain_run()
-        blocks = planner.step_blocks()
+    with planner_view(step) as (_, blocks, _, _):
         saved = blocks.saved_calls(blocks.recipe("keep all"))
-    finally:
-        state.restore()
     assert any(op.startswith("aten::bernoulli_") for op, _ in saved)
     want_loss, want_grads, _ = run_step(model, batch)
     region = torch_sac.sac_context(ReplaySchedule([], saved).policy())
