@@ -32,6 +32,7 @@ from .planners import (
     budget_for_region,
     Frontier,
     FrontierPoint,
+    TimeRatio,
     frontier,
     plan_peak,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "frontier",
     "Frontier",
     "FrontierPoint",
+    "TimeRatio",
     "budget",
     "BudgetPolicy",
     "ModelBudget",

@@ -51,7 +51,7 @@ from .budget_plan import (
     plan_peak,
 )
 from .budget_table import PlanItem, PlanRow
-from .tradeoff import Frontier, FrontierPoint, frontier
+from .tradeoff import Frontier, FrontierPoint, TimeRatio, frontier
 from .peak_plan import PeakPlan
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "frontier",
     "Frontier",
     "FrontierPoint",
+    "TimeRatio",
     "BudgetPolicy",
     "ModelBudget",
     "PeakPlan",

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import statistics
 
 from .. import _C
 from .._blocks import find_blocks
@@ -263,6 +264,44 @@ def _backward_held(profile: RegionProfile, span, held, boundaries) -> int:
     return most
 
 
+def alike_block_seconds(profile: RegionProfile, spans) -> list[float]:
+    """Each call's measured time, for the calls of blocks that ran the
+    same calls (op, bytes made, saveable, in order) the median of that
+    call's times over those blocks.
+
+    Why: one profiled forward times each call over a few back-to-back runs,
+    so a slow stretch of the machine lands on consecutive calls; on the
+    bench's 8-block Llama an option's replay time differed by up to 40 %
+    between two profiles of the same block. Blocks doing the same work cost
+    the same, and the median over them keeps such a stretch from making one
+    block look dearer than its twins, so the chain solver's choice between
+    blocks is not decided by noise."""
+    records, storages = profile.records, profile.storages
+    seconds = [r.seconds for r in records]
+
+    def signature(span):
+        return tuple(
+            (
+                records[i].op,
+                tuple(storages[st].nbytes for st in records[i].new_storages),
+                records[i].saveable,
+            )
+            for i in range(span.start, span.end)
+        )
+
+    alike: dict[tuple, list] = {}
+    for span in spans:
+        alike.setdefault(signature(span), []).append(span)
+    for group in alike.values():
+        if len(group) < 2:
+            continue
+        for k in range(group[0].end - group[0].start):
+            median = statistics.median(records[s.start + k].seconds for s in group)
+            for s in group:
+                seconds[s.start + k] = median
+    return seconds
+
+
 class NotAChain(Exception):
     """The profiled step is not a chain of its blocks (why in the message)."""
 
@@ -298,6 +337,8 @@ class StepBlocks:
         offload: the :class:`OffloadModel` (None: no option offloads).
         outside: record indices of the calls outside the blocks (always kept).
         head_bytes: what the calls after the last block keep for backward.
+        seconds: per profiled call, the time the options are priced by
+            (:func:`alike_block_seconds`).
     """
 
     def __init__(self, profile: RegionProfile, blocks, offload: OffloadModel | None = None):
@@ -306,6 +347,8 @@ class StepBlocks:
         self.modules = list(blocks)
         self.spans = spans
         records, storages = profile.records, profile.storages
+        self.seconds = alike_block_seconds(profile, spans)
+        seconds_of = self.seconds
         # What keeping a storage costs the knapsack (outside ones are kept anyway).
         self._storage_bytes = [st.nbytes if st.internal else 0 for st in storages]
         owner_block = {}
@@ -376,12 +419,12 @@ class StepBlocks:
                 return in_bytes + sum(storages[st].nbytes for st in held_storages)
 
             every = range(s.start, s.end)
-            full_seconds = sum(records[i].seconds for i in every)
+            full_seconds = sum(seconds_of[i] for i in every)
 
             def option(name, saved, every=every, span=s, in_bytes=in_bytes):
                 saved = sorted(saved)
                 chosen = set(saved)
-                seconds = sum(records[i].seconds for i in every if i not in chosen)
+                seconds = sum(seconds_of[i] for i in every if i not in chosen)
                 held_storages = held(saved)
                 in_backward = in_bytes + _backward_held(profile, span, held_storages, boundaries)
                 return (
@@ -527,11 +570,10 @@ class StepBlocks:
         of the block's storages, valued by their measured time."""
         if not calls:
             return []
-        records = self.profile.records
         solution = _C.budget_solve(
             self._storage_bytes,
-            [records[i].seconds for i in calls],
-            [list(records[i].storages) for i in calls],
+            [self.seconds[i] for i in calls],
+            [list(self.profile.records[i].storages) for i in calls],
             budget,
             "auto",
         )

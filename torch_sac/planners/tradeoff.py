@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import random
 import statistics
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.utils.checkpoint import (
@@ -28,11 +29,57 @@ from .peak_plan import block_runs
 from .peak_search import Planner, at_the_chains_floor, plan_for_peak
 from .step_state import StepState
 
-__all__ = ["Frontier", "FrontierPoint", "frontier"]
+__all__ = ["Frontier", "FrontierPoint", "TimeRatio", "frontier"]
 
 # The peaks planned by default, as shares of no checkpointing's peak (with
 # a plan at each recipe's peak too).
 FRACTIONS = (0.8, 0.6, 0.5, 0.4, 0.35, 0.3)
+# The least coverage of a ratio's interval (TimeRatio): the narrowest
+# interval of order statistics that covers the median this often.
+CONFIDENCE = 0.9
+
+
+class TimeRatio(NamedTuple):
+    """One point's step time over another's, from the rounds they ran in
+    together (:meth:`Frontier.ratio`): per round the ratio of their two
+    times, so that a slow stretch of the machine during one round slows
+    both and cancels out.
+
+    Attributes:
+        median: the median of the per-round ratios.
+        low, high: an interval that covers the true median ratio with
+            probability at least ``confidence`` (distribution-free: order
+            statistics of the per-round ratios; with few rounds, their
+            whole range).
+        rounds: how many rounds.
+        confidence: the interval's coverage (binomial, exact).
+    """
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+    confidence: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def _median_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(low, high, coverage)``: the order statistics ``x(k)`` and
+    ``x(n+1-k)`` of ``values`` for the largest ``k`` whose interval covers
+    the median with probability at least :data:`CONFIDENCE` (a median is
+    below ``x(k)`` only if at most ``k - 1`` values are under it: binomial
+    with p = 1/2), else their whole range."""
+    xs = sorted(values)
+    n = len(xs)
+    k, coverage = 1, 1 - 2 * 0.5**n
+    for j in range(2, (n + 1) // 2 + 1):
+        tail = sum(math.comb(n, i) for i in range(j)) / 2**n
+        if 1 - 2 * tail < CONFIDENCE:
+            break
+        k, coverage = j, 1 - 2 * tail
+    return xs[k - 1], xs[n - k], coverage
 
 
 class FrontierPoint:
@@ -96,7 +143,8 @@ class FrontierPoint:
 class Frontier:
     """What :func:`frontier` measured: :attr:`points` (no checkpointing
     first, then the recipes, then the plans), :meth:`pareto` (the points no
-    other point beats in both peak and time), :meth:`table`, :meth:`plot`."""
+    other point beats in both peak and time), :meth:`ratio` (one point's
+    time over another's, with an interval), :meth:`table`, :meth:`plot`."""
 
     def __init__(self, points: list[FrontierPoint], rounds: int) -> None:
         self.points = points
@@ -114,6 +162,28 @@ class Frontier:
                 return p
         return None
 
+    def ratio(self, a: FrontierPoint | str, b: FrontierPoint | str) -> TimeRatio:
+        """``a``'s step time over ``b``'s (points, or labels as for
+        :meth:`plan_for` and recipes' own), round by round: a
+        :class:`TimeRatio` with its median and an interval for it. Judge
+        "slower" by the interval, not by the median of few rounds.
+
+        Raises:
+            KeyError: no point has that label (or that target was refused).
+        """
+        a, b = self._point(a), self._point(b)
+        ratios = [x / y for x, y in zip(a.times, b.times)]
+        low, high, coverage = _median_interval(ratios)
+        return TimeRatio(statistics.median(ratios), low, high, len(ratios), coverage)
+
+    def _point(self, point):
+        if isinstance(point, FrontierPoint):
+            return point
+        found = next((p for p in self.points if p.label == point), None) or self.plan_for(point)
+        if found is None:
+            raise KeyError(f"torch_sac.Frontier: no point {point!r} (labels: see .table())")
+        return found
+
     def pareto(self) -> list[FrontierPoint]:
         """The points on the curve, by peak: each is faster than every point
         with a lower or equal peak."""
@@ -125,18 +195,26 @@ class Frontier:
         return front
 
     def table(self) -> str:
-        """Each point: peak and time, and both as ratios to no checkpointing."""
+        """Each point: peak and time, and both as ratios to no checkpointing
+        (the time's as :meth:`ratio`: per-round median and interval)."""
         front = {id(p) for p in self.pareto()}
         lines = [
-            f"{'':2}{'point':<34} {'peak':>10} {'x none':>7} {'step ms':>9} {'x none':>7}  blocks",
+            f"{'':2}{'point':<34} {'peak':>10} {'x none':>7} {'step ms':>9} {'x none':>7} "
+            f"{'interval':>13}  blocks",
         ]
+        coverage = None
         for p in sorted(self.points, key=lambda p: -p.peak):
+            r = self.ratio(p, self.none)
+            coverage = r.confidence
             lines.append(
                 f"{'*' if id(p) in front else ' ':2}{p.label:<34} {format_bytes(p.peak):>10} "
                 f"{p.peak / self.none.peak:>7.2f} {p.seconds * 1e3:>9.1f} "
-                f"{p.seconds / self.none.seconds:>7.3f}  {_blocks_text(p.blocks)}"
+                f"{r.median:>7.3f} {r.low:>6.3f}-{r.high:<6.3f}  {_blocks_text(p.blocks)}"
             )
-        lines.append(f"(* on the curve; medians of {self.rounds} interleaved rounds)")
+        lines.append(
+            f"(* on the curve; medians of {self.rounds} interleaved rounds; time x none per "
+            f"round, its median and a {coverage:.0%} interval for it)"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -262,7 +340,9 @@ def frontier(
         blocks: ``"auto"`` (the repeated blocks of the largest model ``fn``
             refers to) or a list of modules.
         recipes: measure the recipes too.
-        rounds: timed runs of each point (medians are reported).
+        rounds: timed rounds; each runs every point once, in an order of
+            its own (medians are reported, and :meth:`Frontier.ratio`
+            compares two points round by round).
         offload: whether plans may keep activations in host memory, as
             for :func:`~torch_sac.policies.plan_peak` (default: where the
             step runs on a GPU); then the recipes include
@@ -424,8 +504,12 @@ def _measure_frontier(fn, args, kwargs, state, blocks, fractions, recipes, round
         point.peak = candidate.run.peak
         seen[key] = point
         points.append(point)
-    for _ in range(rounds):
-        for p in points:
+    # Each round in its own order (seeded: the same call measures the same
+    # way), so that no point always runs after the same one.
+    order = list(points)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for p in order:
             p.times.append(_run_point(planner, p).seconds)
     return Frontier(points, rounds)
 
