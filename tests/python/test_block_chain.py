@@ -5,6 +5,7 @@ blocks (fits, bitwise, saved and loaded) and ``frontier``."""
 import contextlib
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from torch_sac.planners.chain import (
     ChainOption,
     model_peak,
     offloaded_bytes,
+    segment_seconds,
     solve_chain,
 )
 
@@ -50,8 +52,10 @@ def random_chain(rng, n):
     return blocks
 
 
-def every_choice(blocks):
-    """Every segmentation and option of a small chain: (choices, seconds)."""
+def every_choice(blocks, slowdown=0.0):
+    """Every segmentation and option of a small chain: (choices, seconds),
+    a segment of ``k`` blocks replaying them ``1 + slowdown * log2(k)``
+    times their forward."""
     n = len(blocks)
     for cuts in itertools.product((False, True), repeat=n - 1):
         segments, start = [], 0
@@ -72,19 +76,22 @@ def every_choice(blocks):
                 else:
                     choices.append(BlockChoice("segment start", (j, e)))
                     choices += [BlockChoice("in segment", (j, e))] * (e - j)
-                    seconds += sum(b.full_seconds for b in blocks[j : e + 1])
+                    seconds += sum(b.full_seconds for b in blocks[j : e + 1]) * (
+                        1 + slowdown * math.log2(e - j + 1)
+                    )
             yield choices, seconds
 
 
+@pytest.mark.parametrize("slowdown", [0.0, 0.25])
 @pytest.mark.parametrize("seed", range(30))
-def test_the_chain_solver_is_optimal_up_to_its_rounding(seed):
+def test_the_chain_solver_is_optimal_up_to_its_rounding(seed, slowdown):
     rng = random.Random(seed)
     blocks = random_chain(rng, rng.randint(1, 5))
     base, forward_base = rng.randint(0, 100), rng.randint(0, 100)
-    everything = list(every_choice(blocks))
+    everything = list(every_choice(blocks, slowdown))
     peaks = sorted(model_peak(blocks, c, base, forward_base) for c, _ in everything)
     for peak in (peaks[0], peaks[len(peaks) // 2], peaks[-1], peaks[0] - 1):
-        solution = solve_chain(blocks, peak, base, forward_base)
+        solution = solve_chain(blocks, peak, base, forward_base, slowdown=slowdown)
         fitting = [s for c, s in everything if model_peak(blocks, c, base, forward_base) <= peak]
         if solution is None:
             # Nothing fits, or only by less than the rounding (a slot per block).
@@ -127,6 +134,7 @@ class _OffloadStep:
             for b in self.chain
         ]
         self.offloadable = sum(max(o.offloaded for o in b.options) for b in self.chain)
+        self.segment_slowdown = 0.0
         self.offload = OffloadModel(
             1,
             1,
@@ -188,6 +196,48 @@ def test_recipes_are_points_of_the_space_and_more_memory_is_never_slower():
         assert solution is not None
         assert solution.seconds <= last + 1e-9
         last = solution.seconds
+
+
+def test_a_segment_is_priced_above_its_blocks_replay_where_it_replays_slower():
+    """On a CPU a segment of k blocks costs about 1 + 0.25 log2(k) times the
+    same calls replayed block by block (measured: chain.py), so where
+    checkpointing each block fits as well, the solver no longer takes the
+    segment for the few bytes of inputs it saves; where only the segment
+    fits, it still does. The planner sets the slowdown by the step's
+    device."""
+    # Blocks of 100 bytes of activations, inputs of 10, one option: keep
+    # only the input.
+    blocks = [ChainBlock((ChainOption("input", 10, 1.0),), 10, 100, 1.0) for _ in range(4)]
+    assert segment_seconds(blocks, 0, 3, 0.25) == pytest.approx(4 * 1.5)
+    assert segment_seconds(blocks, 1, 2, 0.0) == pytest.approx(2.0)
+    per_block = [BlockChoice("input", (j, j)) for j in range(4)]
+    segments = [BlockChoice("segment start", (0, 1)), BlockChoice("in segment", (0, 1))]
+    segments += [BlockChoice("segment start", (2, 3)), BlockChoice("in segment", (2, 3))]
+    # Room for both (250 bytes; the segments need 210 in backward): the
+    # same replay without the slowdown, per-block checkpointing with it.
+    assert model_peak(blocks, per_block, 0, 0) == 130 and model_peak(blocks, segments, 0, 0) == 210
+    assert solve_chain(blocks, 250, 0, 0).seconds == pytest.approx(4.0)
+    slowed = solve_chain(blocks, 250, 0, 0, slowdown=0.25)
+    assert [c.option for c in slowed.choices] == ["input"] * 4 and slowed.seconds == 4.0
+    # Room only for the segments (forward's end holds 200 more: the
+    # segments keep two inputs, per-block checkpointing four).
+    assert model_peak(blocks, segments, 0, 200) == 220 < model_peak(blocks, per_block, 0, 200)
+    only = solve_chain(blocks, 222, 0, 200, slowdown=0.25)
+    assert only is not None and only.seconds == pytest.approx(2 * 2 * 1.25)
+    assert [c.option for c in only.choices] == [c.option for c in segments]
+
+    # The planner's view of a CPU step prices segments so.
+    lin = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+    x = torch.randn(16, 32)
+
+    def step():
+        h = x
+        for b in lin:
+            h = torch.tanh(b(h))
+        return h.sum()
+
+    with planner_view(step, list(lin)) as (_, step_blocks, _, _):
+        assert step_blocks.segment_slowdown == 0.25
 
 
 def test_a_segment_peaks_at_the_backward_of_any_of_its_blocks():

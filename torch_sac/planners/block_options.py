@@ -339,11 +339,21 @@ class StepBlocks:
         head_bytes: what the calls after the last block keep for backward.
         seconds: per profiled call, the time the options are priced by
             (:func:`alike_block_seconds`).
+        segment_slowdown: how much slower than its blocks' forward a
+            segment of several blocks replays, per doubling of its length
+            (``chain.segment_seconds``; set by the device the step runs on).
     """
 
-    def __init__(self, profile: RegionProfile, blocks, offload: OffloadModel | None = None):
+    def __init__(
+        self,
+        profile: RegionProfile,
+        blocks,
+        offload: OffloadModel | None = None,
+        segment_slowdown: float = 0.0,
+    ):
         spans = chain_spans(profile, len(blocks))
         self.profile = profile
+        self.segment_slowdown = segment_slowdown
         self.modules = list(blocks)
         self.spans = spans
         records, storages = profile.records, profile.storages

@@ -96,6 +96,13 @@ _CHAIN_MARGIN = 1 / 256
 # plan but its modelled peak is within this share of peak_bytes over it
 # (the model's error on the tests' models and the bench's: under 5 %).
 _CHAIN_SLACK = 0.1
+# How much slower a segment of several blocks replays than its blocks'
+# forward, per doubling of its length (chain.py's segment_seconds), by the
+# device the step runs on: measured on the CPU (0.25: segments of 2, 4 and
+# 8 blocks cost 1.21-1.27x, 1.44-1.45x and 1.71-1.74x per-block
+# checkpointing's replay of the same calls); not measured on a GPU yet, so
+# none assumed there (bench/bench_gpu.py's frontier rows would show it).
+_SEGMENT_SLOWDOWN = {"cpu": 0.25}
 # What the search measures until a plan fits (search): budgets, halving,
 # then the least plans keeping the two sweeps that peaked least
 # (least_plan). Nine runs at most with the two before (the run without
@@ -340,7 +347,12 @@ class Planner:
         renumber(
             profile, self.forward_run(lambda: region_call_names(self.fn, self.args, self.kwargs))
         )
-        return StepBlocks(profile, blocks, self.offload_model())
+        return StepBlocks(
+            profile,
+            blocks,
+            self.offload_model(),
+            segment_slowdown=_SEGMENT_SLOWDOWN.get(self.device.type, 0.0),
+        )
 
     def offload_model(self):
         """The cost of offloading on the step's device (measured bandwidth),
@@ -703,7 +715,8 @@ def solve_blocks(step, peak, base, forward_base):
     are solved assuming at most ``A`` bytes offloaded, for ``A`` from the
     most any plan offloads down by halves (distinct held bytes only), and a
     solution offloading no more than its ``A`` is modelled conservatively."""
-    best = solve_chain(step.chain_on_device, peak, base, forward_base)
+    slowdown = step.segment_slowdown
+    best = solve_chain(step.chain_on_device, peak, base, forward_base, slowdown=slowdown)
     if step.offload is None or not step.offloadable:
         return best
     smallest = min(o.offloaded for b in step.chain for o in b.options if o.offloaded)
@@ -714,7 +727,11 @@ def solve_blocks(step, peak, base, forward_base):
             solved.add(held)
             held_in_backward, held_at_forward_end = held
             solution = solve_chain(
-                step.chain, peak, base + held_in_backward, forward_base + held_at_forward_end
+                step.chain,
+                peak,
+                base + held_in_backward,
+                forward_base + held_at_forward_end,
+                slowdown=slowdown,
             )
             if (
                 solution is not None
