@@ -330,6 +330,18 @@ def run_step(model, batch, ctx=None):
     return loss.detach(), grads, m.peak
 
 
+def chained_step(embed, blocks, x):
+    """A step: ``embed(x)``, then each of ``blocks`` in turn, summed."""
+
+    def step():
+        h = embed(x)
+        for block in blocks:
+            h = block(h)
+        return h.sum()
+
+    return step
+
+
 @contextlib.contextmanager
 def planner_view(step, blocks="auto"):
     """The planner's view of ``step`` as ``plan_peak`` builds it:
@@ -505,15 +517,7 @@ def test_blocks_doing_the_same_work_are_priced_alike():
         for _ in range(2)
     ]
     blocks = [narrow[0], wide[0], narrow[1], narrow[2], wide[1], narrow[3]]
-    embed = torch.nn.Linear(64, 64)
-    x = torch.randn(64, 64)
-
-    def step():
-        h = embed(x)
-        for block in blocks:
-            h = block(h)
-        return h.sum()
-
+    step = chained_step(torch.nn.Linear(64, 64), blocks, torch.randn(64, 64))
     with planner_view(step, blocks) as (_, step_blocks, _, _):
         records, spans = step_blocks.profile.records, step_blocks.spans
         seconds = step_blocks.seconds
@@ -538,15 +542,8 @@ def test_a_block_rebuilt_from_its_input_holds_one_branch_at_a_time():
     holds one of them at a time, not both (its activations)."""
     from torch_sac.schedule import ReplaySchedule
 
-    embed = torch.nn.Linear(64, 64)
     blocks = torch.nn.ModuleList([_Branches(), _Branches()])
-    x = torch.randn(32, 64)
-
-    def step():
-        h = embed(x)
-        for block in blocks:
-            h = block(h)
-        return h.sum()
+    step = chained_step(torch.nn.Linear(64, 64), blocks, torch.randn(32, 64))
 
     unit = 32 * 64 * 4
     with planner_view(step, list(blocks)) as (planner, step_blocks, base, forward_base):
