@@ -16,8 +16,8 @@ interleaved rounds, each in its own order (medians):
 
 Times are compared round by round (``Frontier.ratio``): per round the
 ratio of two points' times, its median and a distribution-free interval
-for that median (90 % or more; with 9 rounds the 2nd and 8th of the
-sorted ratios), so a slow stretch of the machine slows both sides of a
+for that median (90 % or more from 5 rounds on; with 9 rounds the 2nd and
+8th of the sorted ratios), so a slow stretch of the machine slows both sides of a
 ratio and a judgement says when it is within the noise.
 
 It prints the frontier's table, then per recipe the plan at its peak
@@ -133,17 +133,14 @@ def bench(kind, args):
         "\nplan at each recipe's peak (target: time <= 1.03x the recipe's; per-round ratio, "
         "median [interval])"
     )
-    ok = True
     for p in f.points:
         if p.kind != "recipe":
             continue
         plan = f.plan_for(f"plan @ {p.label}")
         if plan is None:
             print(f"  {p.label:<34} no plan at {p.peak / none.peak:.2f}x (refused)")
-            ok = False
             continue
         ratio = f.ratio(plan, p)
-        ok &= ratio.median <= TARGET
         print(
             f"  {p.label:<34} recipe {f.ratio(p, none).median:.3f}x at "
             f"{p.peak / none.peak:.2f}x; plan {f.ratio(plan, none).median:.3f}x at "
@@ -190,7 +187,6 @@ def bench(kind, args):
             title=f"HF {kind}, {args.blocks} blocks, seq {args.seq}, fp32, CPU 1 thread",
         )
         print(f"plot: {path}")
-    return ok
 
 
 def main():

@@ -266,8 +266,8 @@ def _backward_held(profile: RegionProfile, span, held, boundaries) -> int:
 
 def alike_block_seconds(profile: RegionProfile, spans) -> list[float]:
     """Each call's measured time, for the calls of blocks that ran the
-    same calls (op, bytes made, saveable, in order) the median of that
-    call's times over those blocks.
+    same calls (op, FLOPs, bytes read and made, saveable, in order) the
+    median of that call's times over those blocks.
 
     Why: one profiled forward times each call over a few back-to-back runs,
     so a slow stretch of the machine lands on consecutive calls; on the
@@ -280,9 +280,13 @@ def alike_block_seconds(profile: RegionProfile, spans) -> list[float]:
     seconds = [r.seconds for r in records]
 
     def signature(span):
+        # What a call's work depends on that the profile knows: its op,
+        # FLOPs (a matmul's inner size), the bytes it reads and makes.
         return tuple(
             (
                 records[i].op,
+                records[i].flops,
+                tuple(storages[st].nbytes for st in records[i].inputs),
                 tuple(storages[st].nbytes for st in records[i].new_storages),
                 records[i].saveable,
             )

@@ -209,8 +209,14 @@ def model_peak(blocks, choices, base, forward_base):
 
 def segment_seconds(blocks, j, e, slowdown=0.0):
     """The modelled replay of a segment ``[j..e]`` of several blocks: their
-    ``full_seconds``, times ``1 + slowdown * log2(e - j + 1)``."""
-    return sum(b.full_seconds for b in blocks[j : e + 1]) * (1 + slowdown * math.log2(e - j + 1))
+    ``full_seconds``, times :func:`_segment_factor`."""
+    return sum(b.full_seconds for b in blocks[j : e + 1]) * _segment_factor(e - j + 1, slowdown)
+
+
+def _segment_factor(length, slowdown):
+    """How much more than its blocks' forward a segment of ``length``
+    blocks replays: ``1 + slowdown * log2(length)``."""
+    return 1 + slowdown * math.log2(length)
 
 
 def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS, slowdown=0.0):
@@ -268,7 +274,7 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS,
                 break
             else:
                 # The segment start replays all of itself too.
-                seconds = replay * (1 + slowdown * math.log2(e - j + 1))
+                seconds = replay * _segment_factor(e - j + 1, slowdown)
                 alternatives = [(-1, seconds, to_slots(blocks[j].input_bytes), need)]
             for k, seconds, kept, option_need in alternatives:
                 if kept > slots or option_need > slots:

@@ -170,8 +170,14 @@ class Frontier:
 
         Raises:
             KeyError: no point has that label (or that target was refused).
+            ValueError: the two points did not run the same rounds.
         """
         a, b = self._point(a), self._point(b)
+        if not a.times or len(a.times) != len(b.times):
+            raise ValueError(
+                f"torch_sac.Frontier.ratio: {a.label!r} and {b.label!r} ran {len(a.times)} and "
+                f"{len(b.times)} rounds; the ratio needs the same rounds, at least one"
+            )
         ratios = [x / y for x, y in zip(a.times, b.times)]
         low, high, coverage = _median_interval(ratios)
         return TimeRatio(statistics.median(ratios), low, high, len(ratios), coverage)
@@ -179,7 +185,9 @@ class Frontier:
     def _point(self, point):
         if isinstance(point, FrontierPoint):
             return point
-        found = next((p for p in self.points if p.label == point), None) or self.plan_for(point)
+        found = self.plan_for(point) or next(
+            (p for p in self.points if p.label == point and p.kind != "plan"), None
+        )
         if found is None:
             raise KeyError(f"torch_sac.Frontier: no point {point!r} (labels: see .table())")
         return found
@@ -222,7 +230,7 @@ class Frontier:
 
     def plot(self, path: str, title: str | None = None) -> str:
         """Draws peak (x) against step time (y), both as ratios to no
-        checkpointing: the plans as points, the recipes as labelled points,
+        checkpointing (the time's per round, as :meth:`ratio`): the plans as points, the recipes as labelled points,
         and the curve (:meth:`pareto`) as a line.
         Needs matplotlib (Agg backend, no window). Returns ``path``."""
         from .._profile_report import agg_figure
@@ -230,7 +238,7 @@ class Frontier:
         fig = agg_figure(figsize=(7, 4.5))
         ax = fig.add_subplot(1, 1, 1)
         x = lambda p: p.peak / self.none.peak  # noqa: E731
-        y = lambda p: p.seconds / self.none.seconds  # noqa: E731
+        y = lambda p: self.ratio(p, self.none).median  # noqa: E731
         plans = [p for p in self.points if p.kind == "plan"]
         ax.plot([x(p) for p in plans], [y(p) for p in plans], "o", label="torch_sac plans")
         front = self.pareto()
