@@ -61,6 +61,12 @@ def test_bench_frontier_quick_runs_and_reports_its_targets():
     assert "] of the recipe's time: " in out
 
 
+def test_bench_segments_quick_reports_the_fitted_slowdown():
+    out = run_program("bench/bench_segments.py", "--quick", "--models", "llama", env=OFFLINE)
+    assert "segments of 2" in out and "segments of 4" in out and "per block" in out
+    assert "fitted slowdown: " in out and "the planner assumes 0.22 on cpu" in out
+
+
 def test_bench_gpu_runs_tiny_on_the_cpu():
     out = run_program(
         "bench/bench_gpu.py", "--device", "cpu", "--tiny", "--models", "gpt2", env=OFFLINE

@@ -35,9 +35,10 @@ segment replays, and its backward runs, with all its rebuilt activations
 held, and both go slower than per-block rebuilds of the same calls.
 Measured on this project's CPU (8-block HF Llama, TinyGPT with and without
 dropout; time added to keeping everything, medians of 7 interleaved
-rounds): segments of 2, 4 and 8 blocks cost 1.21-1.27x, 1.44-1.45x and
-1.71-1.74x what checkpointing each block costs, replaying the same calls;
-``slowdown = 0.25`` fits all three.
+rounds, ``bench/bench_segments.py``, two runs): segments of 2, 4 and 8
+blocks cost 1.09-1.28x, 1.37-1.58x and 1.52-1.80x what checkpointing each
+block costs, replaying the same calls; the slowdowns fitted per model and
+run are 0.17-0.28, 0.22 on average.
 
 Every recipe users write by hand is one point of this space: no
 checkpointing (every block keeps everything), per-block checkpointing

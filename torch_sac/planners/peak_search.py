@@ -98,11 +98,12 @@ _CHAIN_MARGIN = 1 / 256
 _CHAIN_SLACK = 0.1
 # How much slower a segment of several blocks replays than its blocks'
 # forward, per doubling of its length (chain.py's segment_seconds), by the
-# device the step runs on: measured on the CPU (0.25: segments of 2, 4 and
-# 8 blocks cost 1.21-1.27x, 1.44-1.45x and 1.71-1.74x per-block
+# device the step runs on: measured on the CPU (bench/bench_segments.py:
+# 0.17-0.28 fitted on three models in two runs, 0.22 on average; segments
+# of 2, 4 and 8 blocks cost 1.09-1.28x, 1.37-1.58x and 1.52-1.80x per-block
 # checkpointing's replay of the same calls); not measured on a GPU yet, so
 # none assumed there (bench/bench_gpu.py's frontier rows would show it).
-_SEGMENT_SLOWDOWN = {"cpu": 0.25}
+_SEGMENT_SLOWDOWN = {"cpu": 0.22}
 # What the search measures until a plan fits (search): budgets, halving,
 # then the least plans keeping the two sweeps that peaked least
 # (least_plan). Nine runs at most with the two before (the run without
