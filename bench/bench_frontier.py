@@ -166,16 +166,13 @@ def bench(kind, args):
     # slower by more than 3 % in the median round, and slower at all at the
     # low end of the interval (beyond the measurement's noise).
     plans = sorted((p for p in f.points if p.kind == "plan"), key=lambda p: p.target)
-    worse = []
-    for a, b in zip(plans, plans[1:]):
-        ratio = f.ratio(b, a)
-        if b.target > a.target and ratio.median > TARGET and ratio.low > 1:
-            worse.append(f"{b.label} / {a.label}: {ratio}")
-    closest = max(
-        (f.ratio(b, a) for a, b in zip(plans, plans[1:]) if b.target > a.target),
-        key=lambda r: r.median,
-        default=None,
-    )
+    pairs = [(a, b, f.ratio(b, a)) for a, b in zip(plans, plans[1:]) if b.target > a.target]
+    worse = [
+        f"{b.label} / {a.label}: {ratio}"
+        for a, b, ratio in pairs
+        if ratio.median > TARGET and ratio.low > 1
+    ]
+    closest = max((ratio for _, _, ratio in pairs), key=lambda r: r.median, default=None)
     print(
         f"monotone (more memory never slower beyond 3 % and the noise): {not worse}"
         + (f" {worse}" if worse else f"; the closest pair: {closest}")

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import torch_sac  # noqa: E402
+from bench_frontier import build as build_hf  # noqa: E402
 from torch_sac.models import TinyGPT  # noqa: E402
 from torch_sac.planners.peak_search import _SEGMENT_SLOWDOWN, Planner  # noqa: E402
 from torch_sac.planners.step_state import StepState  # noqa: E402
@@ -42,29 +43,17 @@ from torch_sac.schedule import ReplaySchedule  # noqa: E402
 
 
 def build(kind, args, device):
-    """``(step, blocks)`` of one model, on ``device``."""
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
+    """``(step, blocks)`` of one model, on ``device``: the Llama of
+    ``bench_frontier.py`` (batch 2), or a TinyGPT of half the width and
+    sequence (batch 4)."""
     if kind == "llama":
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        config = transformers.LlamaConfig(
-            vocab_size=1000,
-            hidden_size=args.width,
-            intermediate_size=args.width * 11 // 4,
-            num_hidden_layers=args.blocks,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=args.seq,
-            attn_implementation="sdpa",
-            use_cache=False,
-        )
-        model = transformers.LlamaForCausalLM(config).to(device).train()
-        ids = torch.randint(0, 1000, (2, args.seq), generator=gen).to(device)
+        model, ids = build_hf("llama", args.blocks, args.width, args.seq, 2)
+        model, ids = model.to(device), ids.to(device)
         return (lambda: model(input_ids=ids, labels=ids).loss), list(model.model.layers)
+    torch.manual_seed(0)
     dropout = 0.1 if kind == "tinygpt" else 0.0
     model = TinyGPT(256, args.width // 2, 4, args.blocks, dropout).to(device).train()
+    gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (4, args.seq // 2), generator=gen).to(device)
 
     def step():

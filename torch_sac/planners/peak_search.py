@@ -102,7 +102,7 @@ _CHAIN_SLACK = 0.1
 # 0.17-0.28 fitted on three models in two runs, 0.22 on average; segments
 # of 2, 4 and 8 blocks cost 1.09-1.28x, 1.37-1.58x and 1.52-1.80x per-block
 # checkpointing's replay of the same calls); not measured on a GPU yet, so
-# none assumed there (bench/bench_gpu.py's frontier rows would show it).
+# none assumed there (bench/bench_segments.py --device cuda measures it).
 _SEGMENT_SLOWDOWN = {"cpu": 0.22}
 # What the search measures until a plan fits (search): budgets, halving,
 # then the least plans keeping the two sweeps that peaked least

@@ -230,8 +230,9 @@ class Frontier:
 
     def plot(self, path: str, title: str | None = None) -> str:
         """Draws peak (x) against step time (y), both as ratios to no
-        checkpointing (the time's per round, as :meth:`ratio`): the plans as points, the recipes as labelled points,
-        and the curve (:meth:`pareto`) as a line.
+        checkpointing (the time's per round, as :meth:`ratio`): the plans
+        as points, the recipes as labelled points, and the curve
+        (:meth:`pareto`) as a line.
         Needs matplotlib (Agg backend, no window). Returns ``path``."""
         from .._profile_report import agg_figure
 
