@@ -392,6 +392,9 @@ def _run(args, out):
             "planned_peak_bytes": plan.measured_peak,
             "replay_budget_bytes": plan.replay_budget.bytes if plan.replay_budget else None,
             "saved_calls": None if plan.saved is None else len(plan.saved),
+            "dropped_calls": plan.dropped_ops,
+            "blocks": plan.blocks,
+            "headline": plan.headline(),
             "solver": plan.solver,
             "optimal": plan.optimal,
             "planning_runs": plan.planning_runs,
@@ -424,16 +427,17 @@ def _run(args, out):
         )
         for n in peaks:
             b = results[n]["peak_plan"]
-            budget_text = (
-                "nothing dropped"
-                if b["replay_budget_bytes"] is None
-                else f"keeps {b['saved_calls']} op calls in forward, backward holds at most "
-                f"{format_bytes(b['replay_budget_bytes'])}"
-            )
             out(
-                f"  {n:<13} {budget_text} ({b['solver']}{', optimal' if b['optimal'] else ''}; "
-                f"{b['planning_runs']} planning runs); measured peak "
-                f"{format_bytes(results[n]['peak_bytes'])} <= {format_bytes(b['peak_budget_bytes'])}: "
+                f"  {n:<13} {b['headline']}"
+                + (
+                    f", backward holds at most {format_bytes(b['replay_budget_bytes'])}"
+                    if b["replay_budget_bytes"] is not None
+                    else ""
+                )
+                + f" ({b['solver']}"
+                f"{', optimal' if b['optimal'] else ''}; {b['planning_runs']} planning runs); "
+                f"measured peak {format_bytes(results[n]['peak_bytes'])} <= "
+                f"{format_bytes(b['peak_budget_bytes'])}: "
                 f"{'ok' if b['within_bound'] else 'EXCEEDED'}"
             )
     details = args.details

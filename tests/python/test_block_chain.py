@@ -3,6 +3,7 @@ recipes as points of its space, ``plan_peak`` over Hugging Face models'
 blocks (fits, bitwise, saved and loaded) and ``frontier``."""
 
 import contextlib
+import re
 import dataclasses
 import itertools
 import math
@@ -16,6 +17,8 @@ from torch_sac.planners.chain import (
     BlockChoice,
     ChainBlock,
     ChainOption,
+    PlanInvariantError,
+    check_choices,
     model_peak,
     offloaded_bytes,
     segment_seconds,
@@ -389,6 +392,156 @@ def test_plan_over_blocks_fits_and_is_bitwise(kind, tmp_path):
     got_loss, got_grads, _ = run_step(model, batch, torch_sac.sac_context(loaded))
     assert torch.equal(got_loss, want_loss)
     assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+
+
+class _ConvFront(torch.nn.Module):
+    """A block with no matmul reading the step's raw input (no grad):
+    wav2vec2's feature encoder layer."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(cin, cout, 5, stride=2)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.conv(x))
+
+
+def _conv_front_step():
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        [_ConvFront(1, 8), _ConvFront(8, 8)]
+        + [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh()) for _ in range(3)]
+    )
+    audio = torch.randn(4, 1, 400)  # does not require grad
+
+    def step():
+        h = audio
+        for b in blocks[:2]:
+            h = b(h)
+        h = h.transpose(1, 2)
+        h = blocks[2](h)
+        for b in blocks[3:]:
+            h = b(h[..., :8]) + h
+        return h.square().mean()
+
+    return blocks, step
+
+
+def test_a_block_whose_options_coincide_keeps_its_input_under_every_name():
+    """Regression (issue 38): a small block whose input comes from outside
+    keeps the same calls under "input" and the smallest knapsack (its
+    input is not its to keep); the solver's options were deduplicated under
+    the first name,
+    so per-block checkpointing's recipe asked for an "input" the block no
+    longer listed and plan_peak raised KeyError: (0, 'input') at low peaks."""
+    blocks, step = _conv_front_step()
+    with planner_view(step, blocks=list(blocks)) as (_, step_blocks, base, forward_base):
+        names = step_blocks.option_names(0)
+        assert "input" in names and "keep all" in names, names
+        # Options keeping the same calls are listed once, under the plain name.
+        assert step_blocks.resolve(0, "knapsack 25%") == "input", step_blocks.aliases[0]
+        for name in ("matmuls", "knapsack 50%", "knapsack 75%"):
+            assert step_blocks.resolve(0, name) in names
+        per_block = step_blocks.recipe("input")
+        assert model_peak(step_blocks.chain, per_block, base, forward_base) > 0
+        assert [c.option for c in per_block] == ["input"] * len(blocks)
+        with pytest.raises(PlanInvariantError, match=r"block 0 \(_ConvFront\).*'nope'"):
+            step_blocks.resolve(0, "nope")
+    want = torch.autograd.grad(step(), list(blocks.parameters()))
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40, blocks=list(blocks))
+    for fraction in (0.6, 0.4, 0.25, 0.1):
+        target = int(plain.no_checkpoint_peak * fraction)
+        try:
+            plan = torch_sac.policies.plan_peak(step, peak_bytes=target, blocks=list(blocks))
+        except ValueError as e:
+            assert "below the least peak measured" in str(e)
+            continue
+        assert plan.measured_peak <= target
+        with torch_sac.sac_context(plan):
+            loss = step()
+        got = torch.autograd.grad(loss, list(blocks.parameters()))
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_check_choices_names_the_block_and_the_broken_invariant():
+    blocks = [
+        ChainBlock((ChainOption("keep all", 10, 0.0), ChainOption("input", 1, 1.0)), 1, 10, 1.0)
+        for _ in range(3)
+    ]
+    good = [BlockChoice("input", (0, 0)), BlockChoice("segment start", (1, 2))]
+    good.append(BlockChoice("in segment", (1, 2)))
+    check_choices(blocks, good)
+    broken = {
+        "which it does not offer": [BlockChoice("matmuls", (0, 0))] + good[1:],
+        "choices for a chain of 3": good[:2],
+        "segments must cover": [good[0], BlockChoice("input", (0, 0)), good[2]],
+        "expected 'in segment'": good[:2] + [BlockChoice("keep all", (1, 2))],
+    }
+    for message, choices in broken.items():
+        with pytest.raises(PlanInvariantError, match=message):
+            check_choices(blocks, choices)
+        with pytest.raises(PlanInvariantError, match="torch_sac planner bug"):
+            model_peak(blocks, choices, 0, 0)
+
+
+def _numbers(line):
+    return [int(n) for n in re.findall(r"\b\d+\b", line)]
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.35])
+def test_a_plan_over_blocks_describes_itself_truthfully(fraction):
+    """The plan's text against the plan's own numbers and against a run of
+    it: what forward keeps and drops, each block's option, calls kept and
+    replays, and the peak against the target. (The CLI once printed
+    "nothing dropped" for every plan over blocks, which drop by design.)"""
+    model, batch, layers = hf_model("llama")
+
+    def step():
+        return model(**batch).loss
+
+    plain = torch_sac.policies.plan_peak(step, peak_bytes=1 << 40)
+    assert "nothing dropped" in plain.table() and plain.dropped_ops == 0
+    plan = torch_sac.policies.plan_peak(step, peak_bytes=int(plain.no_checkpoint_peak * fraction))
+    assert plan.solver == "block chain" and plan.dropped_ops > 0, plan.table()
+    text = plan.table()
+    lines = text.splitlines()
+    assert "nothing dropped" not in text
+    assert "under the target" in lines[0] and plan.measured_peak <= plan.peak_bytes
+    assert (
+        lines[1]
+        .strip()
+        .startswith(f"forward keeps {plan.kept_ops} of {plan.kept_ops + plan.dropped_ops} op calls")
+    )
+    assert f"drops {plan.dropped_ops} " in lines[1]
+    assert f"backward replays {plan.replayed_ops} op calls" in lines[1]
+    # A run of the plan keeps, drops and replays what the plan says.
+    torch.manual_seed(0)
+    with torch_sac.sac_context(plan) as region:
+        loss = step()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    stats = region.stats()
+    assert (stats["saved_ops"], stats["dropped_ops"], stats["dropped_bytes"]) == (
+        plan.kept_ops,
+        plan.dropped_ops,
+        plan.dropped_bytes,
+    )
+    assert stats["replayed_ops"] == plan.replayed_ops
+    # One row per block, as the plan's blocks; the replays add up.
+    rows = plan.block_rows
+    assert [r.option for r in rows] == plan.blocks and len(rows) == len(layers)
+    start = lines.index(next(x for x in lines if x.strip().startswith("block ")))
+    outside = plan.replayed_ops - sum(r.replayed_ops for r in rows)
+    assert outside >= 0
+    for r, line in zip(rows, lines[start + 1 :]):
+        assert r.option in line and f"{r.kept_calls}/{r.calls}" in line
+        assert _numbers(line)[-1] == r.replayed_ops and _numbers(line)[0] == r.block
+        assert r.kept_bytes + r.offloaded_bytes + r.dropped_bytes >= r.activation_bytes
+        if r.option == "keep all":
+            assert r.kept_calls == r.calls and r.dropped_bytes == 0
+    if outside:
+        assert f"outside the blocks: {outside} op replays" in text
+    assert any(r.dropped_bytes for r in rows)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

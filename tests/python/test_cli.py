@@ -141,6 +141,11 @@ def test_peak_plan_policy_runs_the_whole_step_within_its_peak(tmp_path, capsys):
         < results["none"]["peak_bytes"]
     )
     assert results["peak-0.7"]["replayed_ops"] > 0 and results["peak-0.7"]["grad_bitwise_equal"]
+    # The summary line says what the plan drops (it once said "nothing
+    # dropped" for every plan over blocks).
+    line = next(x for x in out.splitlines() if x.strip().startswith("peak-0.7") and "forward" in x)
+    assert plan["dropped_calls"] > 0 and "nothing dropped" not in line, line
+    assert f"drops {plan['dropped_calls']} " in line and plan["headline"] in line
 
 
 @pytest.mark.parametrize(

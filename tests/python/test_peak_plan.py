@@ -273,7 +273,7 @@ def test_save_and_load(tmp_path):
         torch_sac.sac_context(loaded.schedule.policy(), replay_schedule=loaded.schedule),
     )
     assert_bitwise(got, want)
-    with pytest.raises(ValueError, match="peak_plan/4"):
+    with pytest.raises(ValueError, match="peak_plan/5"):
         torch_sac.PeakPlan.from_dict({"format": "other"})
 
 
@@ -284,8 +284,12 @@ def test_a_plan_saved_in_format_1_loads_with_the_new_names():
     layers, x, forward, size = tanh_chain(8, batch=512)
     plan = budget(forward, peak_bytes=int(grads_of(forward, layers, x)[1] * 0.7))
     data = plan.to_dict()
-    assert data["format"] == "torch_sac.peak_plan/4" and "recomputed_ops" not in data
-    old = dict(data, format="torch_sac.peak_plan/1")
+    assert data["format"] == "torch_sac.peak_plan/5" and "recomputed_ops" not in data
+    # Format 5's: what the planning run kept and dropped, per block.
+    measured = ("kept_ops", "kept_bytes", "dropped_ops", "dropped_bytes", "offloaded_bytes")
+    four = {k: v for k, v in data.items() if k not in (*measured, "block_rows")}
+    unmeasured = dict(data, **dict.fromkeys(measured), block_rows=None)
+    old = dict(four, format="torch_sac.peak_plan/1")
     del old["blocks"]  # format 3's
     del old["offloaded"]  # format 4's
     old["recomputed_ops"] = old.pop("replayed_ops")
@@ -293,11 +297,14 @@ def test_a_plan_saved_in_format_1_loads_with_the_new_names():
     loaded = torch_sac.PeakPlan.from_dict(old)
     assert loaded.replayed_ops == plan.replayed_ops == plan.recomputed_ops
     assert loaded.replay_seconds == plan.replay_seconds == plan.recompute_seconds
-    assert loaded.to_dict() == data
+    assert loaded.to_dict() == unmeasured
     # Format 2: no blocks.
-    two = dict(data, format="torch_sac.peak_plan/2")
+    two = dict(four, format="torch_sac.peak_plan/2")
     del two["blocks"], two["offloaded"]
-    assert torch_sac.PeakPlan.from_dict(two).to_dict() == data
+    assert torch_sac.PeakPlan.from_dict(two).to_dict() == unmeasured
+    # A plan of format 4 says what it knows: not "nothing dropped".
+    text = torch_sac.PeakPlan.from_dict(dict(four, format="torch_sac.peak_plan/4")).table()
+    assert "nothing dropped" not in text and f"keeps {len(plan.saved)} op calls" in text
 
 
 def test_checkpoint_takes_a_plan():
@@ -738,7 +745,7 @@ def test_planner_argument_errors_are_clear():
         budget(fwd, peak_bytes=64)
     with pytest.raises(ValueError, match="without bytes, fraction or modules"):
         budget(fwd, peak_bytes=1 << 20, fraction=0.5)
-    with pytest.raises(ValueError, match="peak_plan/4"):
+    with pytest.raises(ValueError, match="peak_plan/5"):
         torch_sac.PeakPlan.from_dict([1])
     d = budget(fwd, peak_bytes=1 << 40).to_dict()
     with pytest.raises(ValueError, match=">= 0"):

@@ -61,7 +61,8 @@ import statistics
 from .. import _C
 from .._blocks import find_blocks
 from .._op_profile import RegionProfile
-from .chain import BlockChoice, ChainBlock, ChainOption
+from .chain import BlockChoice, ChainBlock, ChainOption, PlanInvariantError, check_choices
+from .peak_plan import BlockRow
 from .region_numbering import op_name
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "StepBlocks",
     "chain_spans",
     "find_step_blocks",
+    "qualified_names",
 ]
 
 # The knapsack options' budgets, as shares of a block's activations.
@@ -149,6 +151,16 @@ class OffloadModel:
         if not self.overlaps:
             return out + back
         return max(0.0, out - forward_seconds) + max(0.0, back - 2 * forward_seconds)
+
+
+def qualified_names(roots):
+    """``{id(module): its qualified name}`` for the modules inside ``roots``
+    (the first root's name for a module several hold)."""
+    names = {}
+    for root in roots:
+        for name, m in root.named_modules():
+            names.setdefault(id(m), name or type(m).__name__)
+    return names
 
 
 def find_step_blocks(modules):
@@ -402,9 +414,14 @@ class StepBlocks:
         boundary_calls = {i for i in self.input_calls if i is not None}
         # per block: [(ChainOption, saved record indices, offloaded record indices)]
         self.options = []
+        # per block: {name of an option it does not list: the listed option
+        # keeping the same} (see _distinct)
+        self.aliases = []
         chain = []
         for s, in_bytes, input_call, module in zip(spans, input_bytes, self.input_calls, blocks):
             calls = [i for i in range(s.start, s.end) if records[i].saveable]
+            # An offload option moving nothing is its base option.
+            unmoved = {}
 
             def held(saved, span=s):
                 # A saved call's storage stays if autograd saves it, or if a
@@ -456,6 +473,7 @@ class StepBlocks:
                 full_seconds=full_seconds,
                 input_call=input_call,
                 in_bytes=in_bytes,
+                unmoved=unmoved,
             ):
                 """``base`` (an option) with the outputs of ``calls`` that
                 it keeps (and ``with_input``, its input) in host memory: all
@@ -491,6 +509,7 @@ class StepBlocks:
                     moves = chosen
                 moved = sum(nbytes for nbytes, _ in moves)
                 if not moved:
+                    unmoved[name] = base_option.name
                     return None
                 return (
                     ChainOption(
@@ -556,8 +575,13 @@ class StepBlocks:
                 # reads it back first thing in its backward.
                 options.append(offloading(OFFLOADED_INPUT, recompute_all, [], with_input=True))
             # An offload option that moves nothing is None.
-            options = _distinct([o for o in options if o is not None])
+            options, aliases = _distinct([o for o in options if o is not None])
+            for name, base in unmoved.items():
+                base = aliases.get(base, base)
+                if any(o.name == base for o, _, _ in options):
+                    aliases[name] = base
             self.options.append(options)
+            self.aliases.append(aliases)
             chain.append(
                 ChainBlock(
                     options=tuple(o for o, _, _ in options),
@@ -597,6 +621,7 @@ class StepBlocks:
         """The op calls a region keeps for ``choices`` (one per block):
         everything outside the blocks, each segment's input, and each
         single-block segment's option."""
+        self.check(choices)
         records = self.profile.records
         saved = set(self.outside)  # everything, as "keep all" (above)
         for block, choice in enumerate(choices):
@@ -605,44 +630,135 @@ class StepBlocks:
             if self.input_calls[block] is not None:
                 saved.add(self.input_calls[block])
             if choice.option != "segment start":
-                names = {o.name: calls for o, calls, _ in self.options[block]}
-                saved.update(names[choice.option])
+                saved.update(self._option(block, choice.option)[1])
         return sorted((op_name(records[i].op), records[i].call_index) for i in saved)
 
     def offloaded_calls(self, choices: list[BlockChoice]) -> list[tuple[str, int]]:
         """Of :meth:`saved_calls`, those whose outputs are kept in host
         memory (by the offload options chosen)."""
+        self.check(choices)
         records = self.profile.records
         moved = set()
         for block, choice in enumerate(choices):
-            names = {o.name: offloaded for o, _, offloaded in self.options[block]}
-            moved.update(names.get(choice.option, ()))
+            if choice.option not in ("segment start", "in segment"):
+                moved.update(self._option(block, choice.option)[2])
         return sorted((op_name(records[i].op), records[i].call_index) for i in moved)
+
+    def option_names(self, block: int) -> list[str]:
+        """The names of the options block ``block`` offers, in the order
+        the solver tries them."""
+        return [o.name for o, _, _ in self.options[block]]
+
+    def resolve(self, block: int, name: str) -> str:
+        """The name under which block ``block`` lists option ``name``: the
+        name itself, or that of the option keeping the same calls (a block
+        with no matmuls keeps its input under ``"matmuls"``; an offload
+        option that moves nothing keeps what its base option keeps).
+        Raises :class:`PlanInvariantError` for an option the block has no
+        equivalent of."""
+        if name in self.option_names(block):
+            return name
+        alias = self.aliases[block].get(name)
+        if alias is None:
+            raise PlanInvariantError(
+                f"block {block} ({type(self.modules[block]).__name__}) has no option "
+                f"{name!r} (its options: {', '.join(self.option_names(block))})"
+            )
+        return alias
+
+    def _option(self, block, name):
+        """``(ChainOption, saved, offloaded)`` of the block's option ``name``."""
+        listed = self.resolve(block, name)
+        return next(o for o in self.options[block] if o[0].name == listed)
+
+    def check(self, choices: list[BlockChoice]) -> None:
+        """Raises :class:`PlanInvariantError` unless ``choices`` is a plan
+        of this step: every block's option one it offers, segments
+        covering the chain (:func:`~torch_sac.planners.chain.check_choices`)."""
+        check_choices(self.chain, choices, names=self._block_name)
+
+    def _block_name(self, block):
+        return f"block {block} ({type(self.modules[block]).__name__})"
+
+    def rows(self, choices: list[BlockChoice], details, names=None) -> list[BlockRow]:
+        """A :class:`~torch_sac.planners.peak_plan.BlockRow` per block for
+        ``choices``: the bytes as modelled, the calls kept, and the replays
+        of its calls that a run of the plan measured (``details``, the
+        run's ``op_details()``). ``names``: ``{id(module): qualified name}``."""
+        self.check(choices)
+        records = self.profile.records
+        replays = {row["op"]: row.get("replays_by_call") or () for row in details}
+        saved = set(self.saved_calls(choices))
+        rows = []
+        for block, (choice, span) in enumerate(zip(choices, self.spans)):
+            calls = [
+                (op_name(records[i].op), records[i].call_index)
+                for i in range(span.start, span.end)
+                if records[i].saveable
+            ]
+            chain_block = self.chain[block]
+            if choice.option == "segment start":
+                kept, offloaded = chain_block.input_bytes, 0
+            elif choice.option == "in segment":
+                kept, offloaded = 0, 0
+            else:
+                option = self._option(block, choice.option)[0]
+                kept, offloaded = option.kept, option.offloaded
+            by_op = [replays.get(op, ()) for op, _ in calls]
+            module = self.modules[block]
+            rows.append(
+                BlockRow(
+                    block=block,
+                    module=(names or {}).get(id(module), type(module).__name__),
+                    option=choice.option,
+                    calls=len(calls),
+                    kept_calls=sum(1 for c in calls if c in saved),
+                    activation_bytes=chain_block.activation,
+                    kept_bytes=kept,
+                    offloaded_bytes=offloaded,
+                    replayed_ops=sum(r[i] for r, (_, i) in zip(by_op, calls) if 0 <= i < len(r)),
+                )
+            )
+        return rows
 
     def recipe(self, name: str, every: int = 1) -> list[BlockChoice]:
         """The choices of a hand-written recipe: every block keeping option
-        ``name``, or (``every`` > 1) segments of ``every`` blocks."""
+        ``name`` (as the block lists it: :meth:`resolve`), or (``every`` >
+        1) segments of ``every`` blocks."""
         n = len(self.chain)
         if every <= 1:
-            return [BlockChoice(name, (j, j)) for j in range(n)]
+            return [BlockChoice(self.resolve(j, name), (j, j)) for j in range(n)]
         choices = []
         for j in range(0, n, every):
             e = min(n, j + every) - 1
             if e == j:
-                choices.append(BlockChoice("input", (j, j)))
+                choices.append(BlockChoice(self.resolve(j, "input"), (j, j)))
             else:
                 choices.append(BlockChoice("segment start", (j, e)))
                 choices += [BlockChoice("in segment", (j, e))] * (e - j)
         return choices
 
 
+# Among options keeping the same calls, the name a plan shows: what the
+# block then does, plainly (a block with no matmuls keeping "matmuls" keeps
+# its input), else the first listed.
+_PLAIN_NAMES = ("keep all", "input")
+
+
 def _distinct(options):
-    """Options saving and offloading the same calls once (the first name
-    kept)."""
-    seen, kept = set(), []
+    """Options saving and offloading the same calls once, and the names
+    dropped: ``(options, {dropped name: the listed option's name})``. The
+    one listed is where the first of them was, under a plain name
+    (:data:`_PLAIN_NAMES`) when one of them has it."""
+    groups = {}
     for option, saved, offloaded in options:
-        key = (tuple(saved), tuple(offloaded))
-        if key not in seen:
-            seen.add(key)
-            kept.append((option, saved, offloaded))
-    return kept
+        groups.setdefault((tuple(saved), tuple(offloaded)), []).append((option, saved, offloaded))
+    kept, aliases = [], {}
+    for group in groups.values():
+        names = [o.name for o, _, _ in group]
+        plain = [n for n in _PLAIN_NAMES if n in names]
+        name = plain[0] if plain else names[0]
+        option, saved, offloaded = group[0]
+        kept.append((dataclasses.replace(option, name=name), saved, offloaded))
+        aliases.update({n: name for n in names if n != name})
+    return kept, aliases

@@ -63,6 +63,8 @@ __all__ = [
     "ChainBlock",
     "ChainOption",
     "ChainSolution",
+    "PlanInvariantError",
+    "check_choices",
     "kept_bytes",
     "model_peak",
     "offloaded_bytes",
@@ -137,6 +139,54 @@ class ChainSolution:
     peak: int  # the modelled peak, base included
 
 
+class PlanInvariantError(RuntimeError):
+    """A plan over blocks that breaks the chain's invariants (an option a
+    block does not offer, segments that do not cover the chain): a bug in
+    torch_sac's planner, reported with the block it concerns."""
+
+    def __init__(self, what):
+        super().__init__(
+            f"torch_sac planner bug: {what}. Please report it with the model; meanwhile "
+            "plan_peak(..., blocks=None) plans without the block chain"
+        )
+
+
+def check_choices(blocks, choices, names=None):
+    """Raises :class:`PlanInvariantError` unless ``choices`` (a list of
+    :class:`BlockChoice`) is a plan of ``blocks``: one choice per block, the
+    segments covering the chain in order without overlap, each block alone
+    in its segment keeping an option it offers, and each longer segment
+    starting with ``"segment start"`` followed by ``"in segment"``.
+    ``names(j)`` names block ``j`` in the message."""
+    name = names or (lambda j: f"block {j}")
+    if len(choices) != len(blocks):
+        raise PlanInvariantError(f"{len(choices)} choices for a chain of {len(blocks)} blocks")
+    j = 0
+    while j < len(blocks):
+        start, end = choices[j].segment
+        if start != j or not j <= end < len(blocks):
+            raise PlanInvariantError(
+                f"{name(j)} is in segment {choices[j].segment}, but the segments before it "
+                f"end at block {j - 1}: segments must cover the chain's {len(blocks)} blocks in order"
+            )
+        if end == j:
+            offered = [o.name for o in blocks[j].options]
+            if choices[j].option not in offered:
+                raise PlanInvariantError(
+                    f"{name(j)} keeps option {choices[j].option!r}, which it does not offer "
+                    f"(its options: {', '.join(offered) or 'none'})"
+                )
+        else:
+            for i in range(j, end + 1):
+                want = "segment start" if i == j else "in segment"
+                if choices[i].option != want or choices[i].segment != (j, end):
+                    raise PlanInvariantError(
+                        f"{name(i)} is {choices[i].option!r} in segment {choices[i].segment}, "
+                        f"expected {want!r} in segment {(j, end)}"
+                    )
+        j = end + 1
+
+
 def _segment_need(blocks, grads_after, j, e, option=None):
     """The most a segment ``[j..e]`` holds above what blocks before it keep:
     during the backward of each block ``i`` in it, the activations of
@@ -176,7 +226,9 @@ def _grads_after(blocks):
 def _segments(blocks, choices):
     """``(j, e, option)`` for each segment ``[j..e]`` of ``choices``: the
     option it keeps, or None for a segment of several blocks (it keeps its
-    first block's input)."""
+    first block's input). Raises :class:`PlanInvariantError` unless
+    ``choices`` is a plan of ``blocks`` (:func:`check_choices`)."""
+    check_choices(blocks, choices)
     options = {(j, o.name): o for j, b in enumerate(blocks) for o in b.options}
     j = 0
     while j < len(blocks):

@@ -4,6 +4,7 @@ returns, and its JSON form. The search that finds one is in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -12,16 +13,19 @@ from .._budget_types import RegionPlan, ReplayBudget
 from .._op_profile import format_bytes
 from ..schedule import ReplaySchedule, as_call, read_json, write_json
 
-__all__ = ["PeakPlan"]
+__all__ = ["BlockRow", "PeakPlan"]
 
-# The format of to_dict()'s output. 4: "offloaded", the saved calls kept in
+# The format of to_dict()'s output. 5: what the planning run kept, dropped
+# and offloaded ("kept_ops", "kept_bytes", "dropped_ops", "dropped_bytes",
+# "offloaded_bytes"), and "block_rows", a plan over blocks per block. 4: "offloaded", the saved calls kept in
 # host memory (null: none). 3: "blocks", the option of each block of a plan
 # over the step's blocks (null otherwise). 2: the replays are
 # "replayed_ops" and "replay_seconds" (1 said "recomputed_ops" and
 # "recompute_seconds", the drop-in's former words). from_dict reads all
-# four.
-FORMAT = "torch_sac.peak_plan/4"
+# five (what formats before 5 lack is None: not measured).
+FORMAT = "torch_sac.peak_plan/5"
 _OLD_FORMATS = {
+    "torch_sac.peak_plan/4": {},
     "torch_sac.peak_plan/1": {
         "recomputed_ops": "replayed_ops",
         "recompute_seconds": "replay_seconds",
@@ -29,6 +33,44 @@ _OLD_FORMATS = {
     "torch_sac.peak_plan/2": {},
     "torch_sac.peak_plan/3": {},
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+    """What a plan over blocks does with one block of the step
+    (:attr:`PeakPlan.block_rows`).
+
+    Attributes:
+        block: its place in the step's chain of blocks.
+        module: its qualified name in the model (its class where the
+            planner found no name).
+        option: what it keeps (:attr:`PeakPlan.blocks`).
+        calls: the op calls it runs in forward that a plan can keep.
+        kept_calls: of them, those forward keeps.
+        activation_bytes: what keeping all of them holds, its input
+            included (modelled from the profile).
+        kept_bytes: what the option keeps on the device, its input
+            included (modelled).
+        offloaded_bytes: what it keeps in host memory instead (modelled).
+        replayed_ops: op replays of its calls in the planning run's
+            backward (measured).
+    """
+
+    block: int
+    module: str
+    option: str
+    calls: int
+    kept_calls: int
+    activation_bytes: int
+    kept_bytes: int
+    offloaded_bytes: int
+    replayed_ops: int
+
+    @property
+    def dropped_bytes(self) -> int:
+        """Of :attr:`activation_bytes`, what is neither kept on the device
+        nor in host memory: backward rebuilds it (modelled)."""
+        return max(0, self.activation_bytes - self.kept_bytes - self.offloaded_bytes)
 
 
 class PeakPlan(RegionPlan):
@@ -79,6 +121,15 @@ class PeakPlan(RegionPlan):
             checkpointed as one, as ``checkpoint_sequential``); else None.
         offloaded: of :attr:`saved`, the calls kept in host memory
             (``PREFER_OFFLOAD``; :mod:`torch_sac.offload`), or None.
+        kept_ops, kept_bytes: the op calls forward kept in the planning
+            run (in host memory or on the device), and the bytes of their
+            outputs; ``None`` for a plan saved before they were recorded.
+        dropped_ops, dropped_bytes: the op calls forward dropped there
+            (backward rebuilds what it needs of them), and their bytes.
+        offloaded_bytes: the bytes kept in host memory there.
+        block_rows: for a ``"block chain"`` plan, a :class:`BlockRow` per
+            block (what it keeps, drops and offloads; what backward
+            replays of it); else None.
         solve_seconds: time the region spent choosing what rebuilds keep.
         measure_seconds: the time of the measured runs that found the plan.
         planning_runs: how many times planning called ``fn`` (forward and
@@ -140,6 +191,12 @@ class PeakPlan(RegionPlan):
         runs: int,
         blocks: list[str] | None = None,
         offloaded: list[tuple[str, int]] | None = None,
+        kept_ops: int | None = None,
+        kept_bytes: int | None = None,
+        dropped_ops: int | None = None,
+        dropped_bytes: int | None = None,
+        offloaded_bytes: int | None = None,
+        block_rows: list[BlockRow] | None = None,
     ) -> None:
         self.peak_bytes = peak_bytes
         self.measured_peak = measured_peak
@@ -157,6 +214,12 @@ class PeakPlan(RegionPlan):
         self.planning_runs = runs
         self.blocks = None if blocks is None else list(blocks)
         self.offloaded = None if not offloaded else list(offloaded)
+        self.kept_ops = kept_ops
+        self.kept_bytes = kept_bytes
+        self.dropped_ops = dropped_ops
+        self.dropped_bytes = dropped_bytes
+        self.offloaded_bytes = offloaded_bytes
+        self.block_rows = None if block_rows is None else list(block_rows)
 
     @property
     def recomputed_ops(self) -> int:
@@ -202,36 +265,71 @@ class PeakPlan(RegionPlan):
             "measure_seconds": self.measure_seconds,
             "runs": self.planning_runs,
             "blocks": None if self.blocks is None else list(self.blocks),
+            "kept_ops": self.kept_ops,
+            "kept_bytes": self.kept_bytes,
+            "dropped_ops": self.dropped_ops,
+            "dropped_bytes": self.dropped_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
         }
 
+    def headline(self) -> str:
+        """What the plan keeps, drops, offloads and replays, in one line
+        (the first lines of :meth:`table`; the CLI's summary)."""
+        if self.dropped_ops is None:  # a plan saved before format 5
+            kept = (
+                "forward keeps every op call"
+                if self.saved is None
+                else f"forward keeps {len(self.saved)} op calls"
+            )
+        elif not self.dropped_ops and not self.offloaded_bytes:
+            kept = f"forward keeps all {self.kept_ops} op calls: nothing dropped"
+        else:
+            kept = (
+                f"forward keeps {self.kept_ops} of {self.kept_ops + self.dropped_ops} op calls "
+                f"({format_bytes(self.kept_bytes)}), drops {self.dropped_ops} "
+                f"({format_bytes(self.dropped_bytes)})"
+            )
+            if self.offloaded_bytes:
+                kept += (
+                    f", {len(self.offloaded or ())} kept in host memory "
+                    f"({format_bytes(self.offloaded_bytes)})"
+                )
+        return f"{kept}; backward replays {self.replayed_ops} op calls"
+
     def table(self, max_rows: int = 20) -> str:
-        """The plan as text: the peak against the budget, then per op how
-        many calls forward keeps and how often backward recomputes them."""
+        """The plan as text: the measured peak against the target; what
+        forward keeps, drops and offloads and what backward replays (in
+        the planning run); for a plan over blocks, each block's part; then
+        per op how many calls forward keeps and how often backward replays
+        them."""
+        ratio = (self.replay_seconds / self.forward_seconds) if self.forward_seconds else 0.0
+        fits = "under" if self.measured_peak <= self.peak_bytes else "OVER"
+        lines = [
+            f"peak plan: measured peak {format_bytes(self.measured_peak)} {fits} the target "
+            f"{format_bytes(self.peak_bytes)} (no checkpointing: "
+            f"{format_bytes(self.no_checkpoint_peak)})",
+            f"  {self.headline()}, {self.replay_seconds * 1e3:.2f} ms ({ratio:.2f}x one forward)",
+        ]
+        if self.replay_budget:
+            lines.append(
+                f"  backward holds at most {format_bytes(self.replay_budget.bytes)} of kept and "
+                f"rebuilt tensors (checkpoint share {self.replay_budget.checkpoint_share:g})"
+            )
+        lines.append(
+            f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
+            f"{self.solve_seconds * 1e3:.2f} ms; {self.planning_runs} planning runs, "
+            f"{self.measure_seconds:.2f} s"
+        )
+        if self.blocks is not None:
+            lines.append(f"  blocks: {block_runs(self.blocks)}")
+        if self.block_rows:
+            lines += _block_table(self.block_rows)
+            outside = self.replayed_ops - sum(r.replayed_ops for r in self.block_rows)
+            if outside:
+                lines.append(f"  outside the blocks: {outside} op replays")
         saved_by_op = {}
         for op, _ in self.saved or ():
             saved_by_op[op] = saved_by_op.get(op, 0) + 1
-        ratio = (self.replay_seconds / self.forward_seconds) if self.forward_seconds else 0.0
-        lines = [
-            f"peak plan: measured peak {format_bytes(self.measured_peak)} under "
-            f"{format_bytes(self.peak_bytes)} (no checkpointing: "
-            f"{format_bytes(self.no_checkpoint_peak)})",
-            f"  backward holds at most {format_bytes(self.replay_budget.bytes)} of kept and "
-            f"rebuilt tensors (checkpoint share {self.replay_budget.checkpoint_share:g})"
-            if self.replay_budget
-            else "  nothing dropped",
-            f"  recompute: {self.replayed_ops} op replays, {self.replay_seconds * 1e3:.2f} ms "
-            f"({ratio:.2f}x one forward)",
-            f"  solver: {self.solver}{' (optimal)' if self.optimal else ''}; choices took "
-            f"{self.solve_seconds * 1e3:.2f} ms; {self.planning_runs} planning runs, "
-            f"{self.measure_seconds:.2f} s",
-        ]
-        if self.blocks is not None:
-            lines.append(f"  blocks: {block_runs(self.blocks)}")
-        if self.offloaded:
-            lines.append(
-                f"  offloaded to host memory: {len(self.offloaded)} of the "
-                f"{len(self.saved)} calls forward keeps"
-            )
         rows = []
         for op, replays in self.replays_by_op.items():
             rows.append(
@@ -256,6 +354,9 @@ class PeakPlan(RegionPlan):
                 if k not in ("saved_calls", "offloaded_calls", "optimal")
             },
             "offloaded": None if self.offloaded is None else [list(c) for c in self.offloaded],
+            "block_rows": None
+            if self.block_rows is None
+            else [dataclasses.asdict(r) for r in self.block_rows],
             "replay_budget": None if self.replay_budget is None else list(self.replay_budget),
             "saved": None if self.saved is None else [list(c) for c in self.saved],
             "schedule": self.schedule.to_dict(),
@@ -317,8 +418,29 @@ class PeakPlan(RegionPlan):
                 "torch_sac.PeakPlan.from_dict: offloaded must be null or a list of "
                 f"[op, call_index], got {offloaded!r}"
             )
+        measured = {}
+        for k in ("kept_ops", "kept_bytes", "dropped_ops", "dropped_bytes", "offloaded_bytes"):
+            value = data.get(k)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(
+                    f"torch_sac.PeakPlan.from_dict: {k} must be null or an int, got {value!r}"
+                )
+            measured[k] = value
+        block_rows = data.get("block_rows")
+        if block_rows is not None:
+            fields = {f.name for f in dataclasses.fields(BlockRow)}
+            if not isinstance(block_rows, list) or not all(
+                isinstance(r, dict) and set(r) == fields for r in block_rows
+            ):
+                raise ValueError(
+                    "torch_sac.PeakPlan.from_dict: block_rows must be null or a list of dicts "
+                    f"with the keys {sorted(fields)}"
+                )
+            block_rows = [BlockRow(**r) for r in block_rows]
         return cls(
             **{k: data[k] for k in names[:11]},
+            **measured,
+            block_rows=block_rows,
             blocks=blocks,
             offloaded=None if offloaded is None else [as_call(c) for c in offloaded],
             replay_budget=None if budget is None else ReplayBudget(*budget),
@@ -340,6 +462,25 @@ class PeakPlan(RegionPlan):
             f"<torch_sac.PeakPlan: peak {format_bytes(self.measured_peak)} <= "
             f"{format_bytes(self.peak_bytes)}, {self.replayed_ops} op replays, {self.solver}>"
         )
+
+
+def _block_table(rows):
+    """The per-block lines of :meth:`PeakPlan.table`."""
+    width = max(len("module"), *(len(r.module) for r in rows))
+    option = max(len("keeps"), *(len(r.option) for r in rows))
+    lines = [
+        "  per block (bytes modelled from the profile, replays measured):",
+        f"  {'block':>5} {'module':<{width}} {'keeps':<{option}} {'calls kept':>11} "
+        f"{'activations':>11} {'kept':>10} {'dropped':>10} {'host':>10} {'replays':>8}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r.block:>5} {r.module:<{width}} {r.option:<{option}} "
+            f"{f'{r.kept_calls}/{r.calls}':>11} {format_bytes(r.activation_bytes):>11} "
+            f"{format_bytes(r.kept_bytes):>10} {format_bytes(r.dropped_bytes):>10} "
+            f"{format_bytes(r.offloaded_bytes):>10} {r.replayed_ops:>8}"
+        )
+    return lines
 
 
 def block_runs(blocks):

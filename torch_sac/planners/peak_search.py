@@ -49,7 +49,14 @@ from .. import _C, memory, offload
 from .._op_profile import cuda_devices, format_bytes, profile_region
 from ..region import ReplayBudget, in_region, sac_context
 from ..schedule import ReplaySchedule
-from .block_options import NotAChain, OffloadModel, StepBlocks, chain_spans, find_step_blocks
+from .block_options import (
+    NotAChain,
+    OffloadModel,
+    StepBlocks,
+    chain_spans,
+    find_step_blocks,
+    qualified_names,
+)
 from .chain import kept_bytes, model_peak, offloaded_bytes, solve_chain
 from .peak_plan import PeakPlan
 from .region_numbering import region_call_names, renumber
@@ -262,10 +269,11 @@ class _Candidate:
     budget: ``optimal`` may hold, see :func:`_solver`); a plan of the chain
     solver has its ``blocks`` (the option of each block) instead."""
 
-    def __init__(self, run, saved, budget, sweep, optimal=True, blocks=None, offloaded=None):
+    def __init__(self, run, saved, budget, sweep, optimal=True, choices=None, offloaded=None):
         self.run, self.saved, self.budget, self.sweep = run, saved, budget, sweep
         self.optimal = optimal
-        self.blocks = blocks
+        self.choices = choices  # a plan over blocks: its BlockChoice per block
+        self.blocks = None if choices is None else [c.option for c in choices]
         self.offloaded = offloaded  # of ``saved``, the calls kept in host memory
 
 
@@ -279,6 +287,7 @@ class Planner:
         self.blocks = blocks
         self.offload = offload  # None: where the step runs on a GPU; True; False
         self.chain_note = None  # why the chain solver made no plan
+        self.step = None  # the step's blocks (StepBlocks), once profiled
         self.max_runs = MAX_PLANNING_RUNS
         self.peak_bytes, self.where, self.state = peak_bytes, where, state
         self.resolution = max(int(peak_bytes * _RESOLUTION), 1)
@@ -348,12 +357,13 @@ class Planner:
         renumber(
             profile, self.forward_run(lambda: region_call_names(self.fn, self.args, self.kwargs))
         )
-        return StepBlocks(
+        self.step = StepBlocks(
             profile,
             blocks,
             self.offload_model(),
             segment_slowdown=_SEGMENT_SLOWDOWN.get(self.device.type, 0.0),
         )
+        return self.step
 
     def offload_model(self):
         """The cost of offloading on the step's device (measured bandwidth),
@@ -453,7 +463,7 @@ class Planner:
                         None,
                         None,
                         optimal=False,
-                        blocks=[c.option for c in choices],
+                        choices=choices,
                         offloaded=offloaded or None,
                     )
                 if peak_bytes - run.peak <= resolution:
@@ -780,6 +790,11 @@ def _cost(run):
 def _plan(planner, plain, best, solver):
     run = best.run
     replays = {row["op"]: list(row.get("replays_by_call", ())) for row in run.details}
+    block_rows = None
+    if best.choices is not None:
+        names = qualified_names(planner.state.roots)
+        block_rows = planner.step.rows(best.choices, run.details, names)
+    stats = run.stats
     return PeakPlan(
         peak_bytes=planner.peak_bytes,
         measured_peak=run.peak,
@@ -797,4 +812,10 @@ def _plan(planner, plain, best, solver):
         runs=len(planner.measured),
         blocks=best.blocks,
         offloaded=best.offloaded,
+        kept_ops=stats.get("saved_ops"),
+        kept_bytes=stats.get("saved_bytes"),
+        dropped_ops=stats.get("dropped_ops"),
+        dropped_bytes=stats.get("dropped_bytes"),
+        offloaded_bytes=stats.get("offloaded_bytes"),
+        block_rows=block_rows,
     )
