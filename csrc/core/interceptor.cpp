@@ -44,6 +44,19 @@ OpaqueCodeGuard::~OpaqueCodeGuard() {
   --opaque_code_depth;
 }
 
+InterceptNestedOps::InterceptNestedOps()
+    : was_excluded_(c10::impl::tls_is_dispatch_key_excluded(kInterceptKey)) {
+  if (was_excluded_) {
+    c10::impl::tls_set_dispatch_key_excluded(kInterceptKey, false);
+  }
+}
+
+InterceptNestedOps::~InterceptNestedOps() {
+  if (was_excluded_) {
+    c10::impl::tls_set_dispatch_key_excluded(kInterceptKey, true);
+  }
+}
+
 namespace {
 
 // Handlers of this thread, innermost last. shared_ptr keeps a handler alive

@@ -32,6 +32,15 @@ class OpHandler {
       torch::jit::Stack* stack,
       RunOp run,
       const void* adapter_view) = 0;
+  // Whether ops on tensor subclasses (tensors with the Python key) go to the
+  // subclass's __torch_dispatch__ untouched, so that this handler sees the
+  // ops it runs on the inner tensors instead (a region: it records and
+  // replays plain tensors). The Python-key adapter's mode then returns
+  // NotImplemented for them; under the key adapter the handler itself
+  // passes them through (InterceptNestedOps).
+  virtual bool defers_to_subclasses() const {
+    return false;
+  }
 };
 
 // True when handlers should step aside and just run the op: with grad
@@ -54,6 +63,23 @@ class OpaqueCodeGuard {
   ~OpaqueCodeGuard();
   OpaqueCodeGuard(const OpaqueCodeGuard&) = delete;
   OpaqueCodeGuard& operator=(const OpaqueCodeGuard&) = delete;
+};
+
+// While alive, ops dispatched on this thread reach the handlers again even
+// from inside a handler (the key adapter excludes its key while a handler
+// runs). For ops a handler passes through to a tensor subclass's
+// __torch_dispatch__: the ops it runs on the subclass's inner (plain)
+// tensors are the ones a region records. No effect under the Python-key
+// adapter, whose mode defers such ops to the subclass itself.
+class InterceptNestedOps {
+ public:
+  InterceptNestedOps();
+  ~InterceptNestedOps();
+  InterceptNestedOps(const InterceptNestedOps&) = delete;
+  InterceptNestedOps& operator=(const InterceptNestedOps&) = delete;
+
+ private:
+  bool was_excluded_;
 };
 
 // The functionality key the key adapter claims.

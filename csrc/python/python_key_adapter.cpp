@@ -42,6 +42,37 @@ const ResolvedOp& resolve(PyObject* func) {
   return ops.emplace(func, std::move(resolved)).first->second;
 }
 
+// Whether every type in `types` (a __torch_dispatch__ types tuple, not
+// empty) is a traceable wrapper subclass (DTensor, a subclass with
+// __tensor_flatten__): their inner tensors are plain, so the ops they run
+// are for a region to record. Other subclasses (FakeTensor, which defers to
+// an active mode and would hand the op back) are run by the handler as
+// before. Guarded by the GIL; types are kept alive by the cache.
+bool all_traceable_subclasses(PyObject* types) {
+  static auto* traceable = new std::unordered_map<PyObject*, bool>();
+  const Py_ssize_t n = PyTuple_GET_SIZE(types);
+  if (n == 0) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* type = PyTuple_GET_ITEM(types, i);
+    auto it = traceable->find(type);
+    if (it == traceable->end()) {
+      py::handle t(type);
+      Py_INCREF(type);
+      it = traceable
+               ->emplace(
+                   type,
+                   py::hasattr(t, "__tensor_flatten__") && py::hasattr(t, "__tensor_unflatten__"))
+               .first;
+    }
+    if (!it->second) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Instances of torch_sac._C.HandlerModeBase: the C part of the mode object.
 struct HandlerModeObject {
   PyObject_HEAD std::shared_ptr<OpHandler>* handler; // owned; null until _set_handler
@@ -63,6 +94,14 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
     return PyObject_Call(func, args, kwargs == Py_None ? nullptr : kwargs);
   }
   const c10::OperatorHandle& op = *resolved.op;
+  // Keeps the handler alive even if the mode is reset while the op runs.
+  const std::shared_ptr<OpHandler> handler = *mode->handler;
+  PyObject* types = argv[1];
+  if (handler->defers_to_subclasses() && PyTuple_Check(types) && all_traceable_subclasses(types)) {
+    // A subclass's op: torch runs its __torch_dispatch__ with this mode
+    // still active, so the ops it runs on the inner tensors come back here.
+    Py_RETURN_NOTIMPLEMENTED;
+  }
   // Python numbers in Tensor slots (`x * 0.5`, `t.add_(1)`) become wrapped
   // numbers, as when torch itself calls an OpOverload from Python.
   torch::jit::ToIValueAllowNumbersAsTensors numbers_as_tensors(true);
@@ -70,8 +109,6 @@ PyObject* torch_dispatch(PyObject* self, PyObject* const* argv, Py_ssize_t nargs
       op.schema(), py::reinterpret_borrow<py::tuple>(args),
       kwargs == Py_None ? py::kwargs() : py::reinterpret_borrow<py::kwargs>(kwargs), std::nullopt);
   const PythonCallView view{func, args, kwargs};
-  // Keeps the handler alive even if the mode is reset while the op runs.
-  const std::shared_ptr<OpHandler> handler = *mode->handler;
   {
     // Handlers run without the GIL, as under the key adapter (torch's op
     // bindings release it): a region's mutex may be held by a backward

@@ -286,12 +286,16 @@ class PeakPlan(RegionPlan):
         else:
             kept = (
                 f"forward keeps {self.kept_ops} of {self.kept_ops + self.dropped_ops} op calls "
-                f"({format_bytes(self.kept_bytes)}), drops {self.dropped_ops} "
-                f"({format_bytes(self.dropped_bytes)})"
+                f"({format_bytes(self.kept_bytes)})"
+            )
+            kept += (
+                f", drops {self.dropped_ops} ({format_bytes(self.dropped_bytes)})"
+                if self.dropped_ops
+                else ", drops none"
             )
             if self.offloaded_bytes:
                 kept += (
-                    f", {len(self.offloaded or ())} kept in host memory "
+                    f", {len(self.offloaded or ())} of them offloaded to host memory "
                     f"({format_bytes(self.offloaded_bytes)})"
                 )
         return f"{kept}; backward replays {self.replayed_ops} op calls"

@@ -28,6 +28,28 @@ const char* first_unrecordable(c10::ArrayRef<c10::IValue> values) {
   return kind;
 }
 
+// How an op's arguments or outputs take it past the region: "subclass"
+// where a tensor carries the Python key (a subclass's __torch_dispatch__
+// handles the op, and the region records the ops it runs on the inner
+// tensors instead), "meta" where a tensor is on the meta device (shape
+// inference, e.g. DTensor's sharding propagation on its first call: no
+// memory, and its ops are not the program's), else nullptr.
+const char* passes_through(c10::ArrayRef<c10::IValue> values) {
+  const char* why = nullptr;
+  for (const c10::IValue& v : values) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (why == nullptr && t.defined()) {
+        if (t.key_set().has(c10::DispatchKey::Python)) {
+          why = "subclass";
+        } else if (t.is_meta()) {
+          why = "meta";
+        }
+      }
+    });
+  }
+  return why;
+}
+
 } // namespace
 
 Region::Region(
@@ -330,6 +352,15 @@ void Region::handle(
   }
   const size_t num_args = facts.num_args;
   TORCH_INTERNAL_ASSERT(stack->size() >= num_args);
+  if (passes_through(
+          c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_args, num_args))) {
+    // Not the region's: no entry, no policy call. The ops the subclass runs
+    // come back here (InterceptNestedOps) and are recorded on plain tensors.
+    lock.unlock();
+    InterceptNestedOps nested;
+    run(stack);
+    return;
+  }
   const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
 
   // 1. Before the op runs: what it reads and writes, and what a replay of
@@ -351,6 +382,9 @@ void Region::handle(
   const auto run_end = Clock::now();
   const size_t num_returns = facts.num_returns;
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
+  if (passes_through(outputs)) {
+    return; // a factory on the meta device
+  }
   const int64_t call_index = tape_.ops[op_index].calls; // stable: only this thread records
   const Policy decision = decide(OpCall{op, inputs, outputs, call_index, adapter_view}, facts.name);
   if (decision == Policy::MustOffload) {

@@ -123,6 +123,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       torch::jit::Stack* stack,
       RunOp run,
       const void* adapter_view) override;
+  // Records what subclasses run on their inner tensors, not their own ops.
+  bool defers_to_subclasses() const override {
+    return true;
+  }
 
   // Nested regions stack their policies on the outermost region.
   void push_policy(std::shared_ptr<OpPolicy> policy);

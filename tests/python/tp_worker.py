@@ -1,0 +1,295 @@
+"""One rank of test_tensor_parallel.py: a Llama-style model under tensor
+parallel (torchtitan's plan, with or without sequence parallel), trained one
+step under several checkpointing variants on the same data.
+
+Run as a script, one process per rank (the test starts them):
+
+    python tp_worker.py RANK WORLD PORT OUT_JSON CASE
+
+Each variant's loss and gradients (this rank's local shards) are compared
+bitwise with the run without checkpointing, in this process; its activation
+bytes (live after forward, less before it; torch_sac's counting allocator)
+are reported. The rank writes one JSON object to OUT_JSON.
+"""
+
+import faulthandler
+import functools
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as tc
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import torch_sac
+
+# Hang limit of one rank (the whole file takes seconds).
+LIMIT_S = 240
+DIM, HEADS, HIDDEN, LAYERS, VOCAB, BATCH, SEQ = 64, 4, 128, 4, 64, 4, 16
+aten = torch.ops.aten
+SAVE_LIST = [
+    aten.mm.default,
+    aten.addmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallel q/k/v are this rank's heads only.
+        q, k, v = (
+            w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = RMSNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = RMSNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def parallelize(model, mesh, sequence_parallel):
+    """torchtitan's Llama TP plan (sequence parallel on the norms, the
+    sequence gathered before attention and the MLP); q/k/v stay local
+    tensors, as CPU SDPA has no DTensor sharding rule."""
+    if sequence_parallel:
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        layer = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    else:
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        }
+        layer = {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    layer.update(
+        {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+    )
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        parallelize_module(block, mesh, layer)
+    return model
+
+
+def build(mesh, sequence_parallel):
+    torch.manual_seed(0)
+    return parallelize(Llama(), mesh, sequence_parallel)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _torch_sac_list(ctx, op, *args, **kwargs):
+    """PyTorch's SAC as users write it: a policy_fn over an op list."""
+    return (
+        tc.CheckpointPolicy.MUST_SAVE if op in SAVE_LIST else tc.CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def _per_block(model, wrap):
+    """Each block's forward wrapped by ``wrap(forward)``; returns an undo."""
+    originals = [(b, b.forward) for b in model.layers]
+    for b in model.layers:
+        b.forward = wrap(b.forward)
+
+    def undo():
+        for b, f in originals:
+            b.forward = f
+
+    return undo
+
+
+def variant(name, model):
+    """Installs checkpointing variant ``name`` on ``model``; returns
+    (undo, regions list filled during forward)."""
+    regions = []
+    if name == "none":
+        return (lambda: None), regions
+    if name.startswith("apply_sac "):
+        policy = getattr(torch_sac.policies, name.split()[1])()
+        handle = torch_sac.apply_sac(model, policy)
+        return handle.remove, regions
+    if name == "torch SAC, op list":
+        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, _torch_sac_list)
+        return _per_block(
+            model,
+            lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn),
+        ), regions
+    if name == "torch_sac drop-in, op list":
+        ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, SAVE_LIST)
+        return _per_block(
+            model,
+            lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn),
+        ), regions
+    if name == "torch_sac region, op list":
+
+        def wrap(f):
+            def run(x):
+                with torch_sac.sac_context(torch_sac.policies.save_ops(SAVE_LIST)) as r:
+                    regions.append(r)
+                    return f(x)
+
+            return run
+
+        return _per_block(model, wrap), regions
+    raise ValueError(name)
+
+
+VARIANTS = (
+    "none",
+    "apply_sac save_matmuls",
+    "apply_sac recompute_all",
+    "torch_sac region, op list",
+    "torch SAC, op list",
+    "torch_sac drop-in, op list",
+)
+
+
+def run_case(case, mesh, rank):
+    sequence_parallel = case == "tp_sp"
+    torch.manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    results, ref = {}, None
+    for name in VARIANTS:
+        model = build(mesh, sequence_parallel)
+        undo, regions = variant(name, model)
+        torch.manual_seed(2)
+        try:
+            with torch_sac.memory.track() as m:
+                logits = model(tokens)
+                activations = m.delta
+                loss = F.cross_entropy(_local(logits).flatten(0, 1), tokens.flatten())
+                loss.backward()
+        except RuntimeError as e:
+            # Every rank runs the same ops, so every rank fails alike.
+            results[name] = {"error": str(e).splitlines()[0][:500]}
+            continue
+        finally:
+            undo()
+        grads = [_local(p.grad).clone() for p in model.parameters()]
+        row = {"activations": activations, "peak": m.peak}
+        if name == "none":
+            ref = (loss.detach(), grads)
+        else:
+            row["bitwise"] = torch.equal(loss.detach(), ref[0]) and all(
+                torch.equal(a, b) for a, b in zip(grads, ref[1])
+            )
+        if regions:
+            stats = [r.stats() for r in regions]
+            row["dropped_bytes"] = sum(s["dropped_bytes"] for s in stats)
+            row["replayed_ops"] = sum(s["replayed_ops"] for s in stats)
+        results[name] = row
+    return results
+
+
+def main():
+    rank, world, port, out, case = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    faulthandler.dump_traceback_later(LIMIT_S, exit=True)
+    torch.set_num_threads(1)
+    torch_sac.memory.install_counting_allocator()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=LIMIT_S / 2),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        result = {"rank": rank, "results": run_case(case, mesh, rank)}
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_SAC_QUIET", "1")
+    main()
