@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import traceback
 from datetime import timedelta
 
 import torch
@@ -36,8 +37,9 @@ from torch.distributed.tensor.parallel import (
 
 import torch_sac
 
-# Hang limit of one rank (the whole file takes seconds).
-LIMIT_S = 240
+# Hang limit of one rank (the whole file takes seconds); TP_LIMIT_S
+# shortens it when chasing a hang by hand.
+LIMIT_S = int(os.environ.get("TP_LIMIT_S", 240))
 DIM, HEADS, HIDDEN, LAYERS, VOCAB, BATCH, SEQ = 64, 4, 128, 4, 64, 4, 16
 aten = torch.ops.aten
 SAVE_LIST = [
@@ -249,6 +251,9 @@ def run_case(case, mesh, rank):
         except RuntimeError as e:
             # Every rank runs the same ops, so every rank fails alike.
             results[name] = {"error": str(e).splitlines()[0][:500]}
+            import traceback
+
+            traceback.print_exc()
             continue
         finally:
             undo()

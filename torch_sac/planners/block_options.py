@@ -509,7 +509,7 @@ class StepBlocks:
                     moves = chosen
                 moved = sum(nbytes for nbytes, _ in moves)
                 if not moved:
-                    unmoved[name] = base_option.name
+                    unmoved[name] = (base_option.name, tuple(saved))
                     return None
                 return (
                     ChainOption(
@@ -576,9 +576,20 @@ class StepBlocks:
                 options.append(offloading(OFFLOADED_INPUT, recompute_all, [], with_input=True))
             # An offload option that moves nothing is None.
             options, aliases = _distinct([o for o in options if o is not None])
-            for name, base in unmoved.items():
+            for name, (base, saved) in unmoved.items():
                 base = aliases.get(base, base)
-                if any(o.name == base for o, _, _ in options):
+                if not any(o.name == base for o, _, _ in options):
+                    # Its base is not listed itself ("recompute"): the
+                    # listed option keeping the same calls on the device.
+                    base = next(
+                        (
+                            o.name
+                            for o, kept, moved in options
+                            if tuple(kept) == saved and not moved
+                        ),
+                        None,
+                    )
+                if base is not None:
                     aliases[name] = base
             self.options.append(options)
             self.aliases.append(aliases)

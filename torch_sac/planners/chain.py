@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -292,7 +293,17 @@ def solve_chain(blocks, peak, base, forward_base, max_segment=None, slots=SLOTS,
     if n == 0 or room <= 0 or peak - forward_base < 0:
         return None
     quantum = room / slots
-    to_slots = lambda b: math.ceil(b / quantum - 1e-9) if b > 0 else 0  # noqa: E731
+
+    def to_slots(b):
+        # Rounded up exactly for bytes (ints): a float quotient loses the
+        # last byte once the room is tens of GB, and a plan could then be
+        # modelled a byte over the peak it was solved for.
+        if b <= 0:
+            return 0
+        if isinstance(b, numbers.Integral) and isinstance(room, numbers.Integral):
+            return -(-int(b) * slots // int(room))
+        return math.ceil(b / quantum - 1e-9)
+
     max_segment = n if max_segment is None else max(1, min(max_segment, n))
     grads_after = _grads_after(blocks)
     memory = np.arange(slots + 1)
