@@ -251,7 +251,6 @@ def run_case(case, mesh, rank):
         except RuntimeError as e:
             # Every rank runs the same ops, so every rank fails alike.
             results[name] = {"error": str(e).splitlines()[0][:500]}
-            import traceback
 
             traceback.print_exc()
             continue
