@@ -251,8 +251,7 @@ def run_case(case, mesh, rank):
         except RuntimeError as e:
             # Every rank runs the same ops, so every rank fails alike.
             results[name] = {"error": str(e).splitlines()[0][:500]}
-
-            traceback.print_exc()
+            traceback.print_exc()  # the test shows the log of a failed rank
             continue
         finally:
             undo()
