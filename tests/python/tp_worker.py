@@ -233,13 +233,123 @@ VARIANTS = (
 )
 
 
+class Stage(nn.Module):
+    """Blocks ``layers[start:end]`` of a Llama (built whole, then split),
+    with the embedding on the first stage and the head on the last."""
+
+    def __init__(self, full, start, end):
+        super().__init__()
+        self.tok_embeddings = full.tok_embeddings if start == 0 else None
+        self.layers = nn.ModuleList(full.layers[start:end])
+        last = end == len(full.layers)
+        self.norm = full.norm if last else None
+        self.output = full.output if last else None
+
+    def forward(self, h):
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        for layer in self.layers:
+            h = layer(h)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def _pipeline_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def run_pipeline(rank, world):
+    """Each pipeline schedule (4 microbatches) with no checkpointing and
+    with apply_sac on every stage: this rank's gradients compared."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    torch.manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    results = {}
+    for schedule_name in PIPELINE_SCHEDULES:
+        per_rank = 2 if schedule_name == "interleaved_1f1b" else 1
+        n_stages = world * per_rank
+        per_stage = LAYERS // n_stages
+        ref = None
+        for name in ("none", "apply_sac save_matmuls", "apply_sac recompute_all"):
+            torch.manual_seed(0)
+            full = Llama()
+            # Stage i on rank i % world (the interleaved schedules' loop).
+            indices = [rank + k * world for k in range(per_rank)]
+            modules = [Stage(full, i * per_stage, (i + 1) * per_stage) for i in indices]
+            handles = [
+                torch_sac.apply_sac(
+                    m, getattr(torch_sac.policies, name.split()[1])(), modules=Block
+                )
+                for m in modules
+                if name != "none"
+            ]
+            stages = [
+                PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, indices)
+            ]
+            if schedule_name == "interleaved_1f1b":
+                schedule = ScheduleInterleaved1F1B(stages, 4, loss_fn=_pipeline_loss)
+            else:
+                kind = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+                schedule = kind(stages[0], 4, loss_fn=_pipeline_loss)
+            torch.manual_seed(2)
+            try:
+                kwargs = {"target": tokens, "losses": []} if rank == world - 1 else {}
+                if rank == 0:
+                    schedule.step(tokens, **kwargs)
+                else:
+                    schedule.step(**kwargs)
+            except RuntimeError as e:
+                results[f"{schedule_name}: {name}"] = {"error": str(e).splitlines()[0][:500]}
+                traceback.print_exc()
+                continue
+            replayed = sum(h.stats()["total"].get("replayed_ops", 0) for h in handles)
+            for h in handles:
+                h.remove()
+            grads = [p.grad.clone() for m in modules for p in m.parameters()]
+            if ref is None:
+                ref = grads
+                continue
+            results[f"{schedule_name}: {name}"] = {
+                "bitwise": len(grads) == len(ref)
+                and all(torch.equal(a, b) for a, b in zip(grads, ref)),
+                "replayed_ops": replayed,
+            }
+    return results
+
+
+def build_fsdp_tp(mesh):
+    """TP + sequence parallel on the mesh's "tp" dimension, then FSDP2 on
+    its "dp" dimension (each block, then the model)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = parallelize(Llama(), mesh["tp"], True)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def run_case(case, mesh, rank):
-    sequence_parallel = case == "tp_sp"
+    if case == "pp":
+        return run_pipeline(rank, dist.get_world_size())
+    sequence_parallel = case in ("tp_sp", "fsdp_tp")
+    names = VARIANTS if case != "fsdp_tp" else VARIANTS[:4]
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     results, ref = {}, None
-    for name in VARIANTS:
-        model = build(mesh, sequence_parallel)
+    for name in names:
+        model = build_fsdp_tp(mesh) if case == "fsdp_tp" else build(mesh, sequence_parallel)
         undo, regions = variant(name, model)
         torch.manual_seed(2)
         try:
@@ -285,7 +395,10 @@ def main():
         timeout=timedelta(seconds=LIMIT_S / 2),
     )
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        if case == "fsdp_tp":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         result = {"rank": rank, "results": run_case(case, mesh, rank)}
     finally:
         dist.destroy_process_group()
