@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from ._ignored_ops import IGNORED_OPS
@@ -170,7 +170,16 @@ class _ProfileMode(TorchDispatchMode):
         return idx
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and all(is_traceable_wrapper_subclass_type(t) for t in types):
+            # As the region: a traceable wrapper subclass (DTensor) runs its
+            # own dispatch with this mode still active, and the ops it runs
+            # on its inner tensors are the ones profiled and planned.
+            return NotImplemented
         kwargs = kwargs or {}
+        if torch._C._meta_in_tls_dispatch_include():
+            # FakeTensorMode's meta kernels (DTensor's sharding
+            # propagation): not the program's ops, as for the engines.
+            return func(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         # A storage an op reads before any op in the region produced it comes
         # from outside the region.
@@ -178,13 +187,18 @@ class _ProfileMode(TorchDispatchMode):
         # Ops under no_grad inside the region count too: the region and the
         # drop-in record them and number their calls (a custom Function's
         # body, a torch.no_grad() block), so the plan's keys must as well.
-        recorded = func not in self.ignored and not torch.is_inference_mode_enabled()
+        recorded = (
+            func not in self.ignored
+            and not torch.is_inference_mode_enabled()
+            and not any(t.is_meta for t in inputs)
+        )
         _sync(inputs)
         t0 = time.perf_counter_ns()
         out = func(*args, **kwargs)
         _sync(inputs)
         elapsed = [time.perf_counter_ns() - t0]
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        recorded = recorded and not any(t.is_meta for t in outputs)
         index = len(self.records) if recorded else None
         known = len(self.storages)
         storages = []
@@ -264,6 +278,17 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
         saved.append((len(mode.records), t))
         return t
 
+    def saved_tensors(t):
+        # A traceable wrapper subclass (DTensor) saves its inner tensors,
+        # as the region packs it.
+        if not is_traceable_wrapper_subclass_type(type(t)):
+            yield t
+            return
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from saved_tensors(inner)
+
     def enter(index):
         def hook(module, block_args, block_kwargs):
             first = next(
@@ -295,12 +320,13 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
     finally:
         for h in handles:
             h.remove()
-    for position, t in saved:
-        key, _ = _storage_key(t)
-        idx = mode.storage_index.get(key)
-        if idx is not None:
-            mode.storages[idx].saved_by_autograd = True
-            mode.storages[idx].saved_at += (position,)
+    for position, outer in saved:
+        for t in saved_tensors(outer):
+            key, _ = _storage_key(t)
+            idx = mode.storage_index.get(key)
+            if idx is not None:
+                mode.storages[idx].saved_by_autograd = True
+                mode.storages[idx].saved_at += (position,)
     for record, versions in zip(mode.records, mode.output_versions):
         for t, version in versions:
             if t._version != version:

@@ -26,6 +26,14 @@ bool interception_paused() {
   if (opaque_code_depth > 0) {
     return true;
   }
+  // FakeTensorMode runs its meta kernels with Meta in the TLS included set
+  // (in_kernel_invocation_manager), while the mode itself is stashed away:
+  // DTensor's sharding propagation, on the first call of each op and
+  // layout, so a drop-in would number the calls of that first forward
+  // differently from its recompute.
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta)) {
+    return true;
+  }
   using c10::impl::TorchDispatchModeKey;
   using c10::impl::TorchDispatchModeTLS;
   if (!TorchDispatchModeTLS::any_modes_set()) {

@@ -53,7 +53,8 @@ bool recording_disabled();
 // functionalization: the ops are not the program that runs), and while
 // opaque compiled code runs (an OpaqueCodeGuard is alive on this thread):
 // such code writes tensors without dispatcher ops, so a replay could not
-// reproduce it.
+// reproduce it; and while FakeTensorMode runs its meta kernels (Meta in the
+// TLS included set: DTensor's sharding propagation on a first call).
 bool interception_paused();
 
 // Marks compiled code running on this thread (see interception_paused()).

@@ -73,6 +73,8 @@ OpFacts compute_op_facts(const c10::OperatorHandle& op) {
   facts.written_args = written_args(op);
   facts.draws_random = op.hasTag(at::Tag::nondeterministic_seeded);
   facts.collective = is_collective(op);
+  facts.collective_wait = op.operator_name().name == "_c10d_functional::wait_tensor" ||
+      op.operator_name().name == "c10d_functional::wait_tensor";
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   facts.num_args = args.size();

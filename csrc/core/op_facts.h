@@ -35,6 +35,12 @@ struct OpFacts {
   // _dtensor::): never replayed, since a replay on one rank would desync the
   // others.
   bool collective = false;
+  // _c10d_functional::wait_tensor: waits for a functional collective's
+  // output and returns it. The drop-in neither numbers nor caches it: an
+  // AsyncCollectiveTensor waits lazily, once per Python object, so a
+  // checkpointed function's input waited in forward is not waited again in
+  // recompute, and the per-op call indices of the waits would shift.
+  bool collective_wait = false;
   size_t num_args = 0;
   size_t num_returns = 0;
 };

@@ -419,7 +419,7 @@ void CachingHandler::handle(
     return;
   }
   SelectiveCache::OpRecord& record = cache_->record_for(op);
-  if (record.facts->ignored) {
+  if (record.facts->ignored || record.facts->collective_wait) {
     run(stack);
     return;
   }
@@ -641,7 +641,7 @@ void CachedHandler::handle(
     return;
   }
   SelectiveCache::OpRecord& record = cache_->record_for(op);
-  if (record.facts->ignored) {
+  if (record.facts->ignored || record.facts->collective_wait) {
     run(stack);
     return;
   }
@@ -733,7 +733,7 @@ std::vector<OpSummary> SelectiveCache::summary() const {
   std::vector<OpSummary> out;
   out.reserve(first_seen_order_.size());
   for (const OpRecord* record : first_seen_order_) {
-    if (record->facts->ignored) {
+    if (record->facts->ignored || record->facts->collective_wait) {
       continue;
     }
     OpSummary s{record->facts->name};

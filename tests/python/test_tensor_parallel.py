@@ -4,7 +4,9 @@ model parallelized by torchtitan's plan on gloo ranks (127.0.0.1), one
 training step per checkpointing variant (tp_worker.py, one process per
 rank): 2 ranks for TP, 4 (a 2 x 2 mesh) for FSDP2 + TP, 2 for pipelines
 (GPipe, 1F1B, interleaved 1F1B; 4 microbatches, so several microbatches'
-regions are alive at once).
+regions are alive at once). The drop-in contexts with PyTorch SAC's op list
+are checked too, also first in a process (DTensor's caches cold), and the
+planners: the same plan on every rank.
 
 Asserted per rank: every torch_sac region variant (``apply_sac`` with
 ``save_matmuls`` and ``recompute_all``, ``sac_context`` per block with an op
@@ -30,7 +32,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORLD = {"tp_sp": 2, "tp": 2, "fsdp_tp": 4, "pp": 2}
+WORLD = {"tp_sp": 2, "tp": 2, "fsdp_tp": 4, "pp": 2, "tp_sp_dropin_first": 2, "plans": 2}
 # The whole run takes ~15 s on 2 cores; this bounds a hang.
 LIMIT_S = 400
 
@@ -98,8 +100,10 @@ def test_regions_checkpoint_dtensor_code_exactly(case, tmp_path_factory):
         assert results["torch_sac region, op list"]["replayed_ops"] > 0
         if case == "fsdp_tp":
             continue  # PyTorch's SAC is not run under FSDP2 + TP
-        # PyTorch's SAC is exact here too (the reference for memory).
+        # PyTorch's SAC is exact here too (the reference for memory), and so
+        # is the drop-in with the same list.
         assert results["torch SAC, op list"]["bitwise"], rank
+        assert results["torch_sac drop-in, op list"].get("bitwise"), (rank, results)
         # Recomputing everything holds less than saving the matmuls.
         assert (
             results["apply_sac recompute_all"]["activations"]
@@ -131,3 +135,43 @@ def test_pipeline_schedules_are_exact(tmp_path_factory):
         for name, row in results.items():
             assert "error" not in row, (rank, name, row)
             assert row["bitwise"] and row["replayed_ops"] > 0, (rank, name, row)
+
+
+def test_the_dropin_is_exact_on_dtensor_code_first_in_a_process(tmp_path_factory):
+    """The drop-in on a tensor-parallel + sequence-parallel model, first in
+    its process: DTensor's caches are cold, so forward runs its sharding
+    propagation (FakeTensorMode's meta kernels) and recompute does not; and
+    block 0's input is an AsyncCollectiveTensor that forward waits for and
+    recompute does not wait for again. Once failed under the key adapter:
+    "recompute does not match forward: aten::empty_strided.default (call 0)
+    ran in recompute but never in forward", and with warm caches
+    "_c10d_functional::wait_tensor.default (call 3) made an output [8, 8,
+    64] that grew along dim 0"."""
+    for rank, results in enumerate(_run("tp_sp_dropin_first", tmp_path_factory)):
+        row = results["torch_sac drop-in, op list"]
+        assert "error" not in row and row["bitwise"], (rank, row)
+
+
+def test_plans_under_tensor_parallel_are_the_same_on_every_rank(tmp_path_factory):
+    """plan_peak at 0.8, 0.6 and 0.4 of no checkpointing's peak, and
+    budget_for_model, under TP + sequence parallel on 2 ranks: every rank
+    makes the same planning runs (one more on any rank would wait for ever
+    in its first collective) and ends with the same plan (its JSON, timings
+    included: they are agreed too), which fits and is bitwise exact, or the
+    same refusal."""
+    ranks = _run("plans", tmp_path_factory)
+    assert ranks[0] == ranks[1]
+    assert set(ranks[0]) == {
+        "plan_peak 0.8",
+        "plan_peak 0.6",
+        "plan_peak 0.4",
+        "budget_for_model 0.5",
+    }
+    for name, row in ranks[0].items():
+        if "refused" in row:
+            assert row["refused"].startswith("torch_sac.policies.plan_peak: peak_bytes="), row
+            continue
+        assert "plan" in row, (name, row)
+        if name.startswith("plan_peak"):
+            assert row["fits"] and row["bitwise"], (name, row)
+    assert "plan" in ranks[0]["plan_peak 0.8"]

@@ -12,6 +12,7 @@ bytes (live after forward, less before it; torch_sac's counting allocator)
 are reported. The rank writes one JSON object to OUT_JSON.
 """
 
+import contextlib
 import faulthandler
 import functools
 import json
@@ -340,14 +341,70 @@ def build_fsdp_tp(mesh):
     return model
 
 
+def run_plans(mesh):
+    """plan_peak at 0.8, 0.6 and 0.4 of no checkpointing's peak, and
+    budget_for_model at 0.5, under TP + sequence parallel: each plan's JSON
+    (every rank must make the same one) and whether the step under it is
+    bitwise exact and fits."""
+    model = build(mesh, True)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+
+    def step():
+        return F.cross_entropy(_local(model(tokens)).flatten(0, 1), tokens.flatten())
+
+    def run(ctx):
+        torch.manual_seed(2)
+        with torch_sac.memory.track() as m:
+            with ctx:
+                loss = step()
+            loss.backward()
+        grads = [_local(p.grad).clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, m.peak
+
+    ref_loss, ref_grads, peak = run(contextlib.nullcontext())
+    results = {}
+    for fraction in (0.8, 0.6, 0.4):
+        try:
+            plan = torch_sac.policies.plan_peak(step, peak_bytes=int(peak * fraction))
+        except ValueError as e:
+            results[f"plan_peak {fraction}"] = {"refused": str(e).split(" (")[0]}
+            continue
+        loss, grads, got_peak = run(torch_sac.sac_context(plan))
+        results[f"plan_peak {fraction}"] = {
+            "plan": json.dumps(plan.to_dict(), sort_keys=True),
+            "fits": plan.measured_peak <= plan.peak_bytes,
+            "bitwise": torch.equal(loss, ref_loss)
+            and all(torch.equal(a, b) for a, b in zip(grads, ref_grads)),
+        }
+    budget = torch_sac.policies.budget_for_model(model, (tokens,), fraction=0.5)
+    results["budget_for_model 0.5"] = {
+        "plan": json.dumps(
+            {name: sorted((str(op), i) for op, i in p.chosen) for name, p in budget.plans.items()},
+            sort_keys=True,
+        )
+    }
+    return results
+
+
 def run_case(case, mesh, rank):
     if case == "pp":
         return run_pipeline(rank, dist.get_world_size())
-    sequence_parallel = case in ("tp_sp", "fsdp_tp")
-    names = VARIANTS if case != "fsdp_tp" else VARIANTS[:4]
+    if case == "plans":
+        return run_plans(mesh)
+    sequence_parallel = case in ("tp_sp", "fsdp_tp", "tp_sp_dropin_first")
+    if case == "fsdp_tp":
+        names = VARIANTS[:4]
+    elif case == "tp_sp_dropin_first":
+        # DTensor's caches cold: its first calls run sharding propagation
+        # (FakeTensorMode) inside the drop-in's forward only.
+        names = ("torch_sac drop-in, op list", "none")
+    else:
+        names = VARIANTS
     torch.manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-    results, ref = {}, None
+    results, steps = {}, {}
     for name in names:
         model = build_fsdp_tp(mesh) if case == "fsdp_tp" else build(mesh, sequence_parallel)
         undo, regions = variant(name, model)
@@ -365,19 +422,19 @@ def run_case(case, mesh, rank):
             continue
         finally:
             undo()
-        grads = [_local(p.grad).clone() for p in model.parameters()]
+        steps[name] = (loss.detach(), [_local(p.grad).clone() for p in model.parameters()])
         row = {"activations": activations, "peak": m.peak}
-        if name == "none":
-            ref = (loss.detach(), grads)
-        else:
-            row["bitwise"] = torch.equal(loss.detach(), ref[0]) and all(
-                torch.equal(a, b) for a, b in zip(grads, ref[1])
-            )
         if regions:
             stats = [r.stats() for r in regions]
             row["dropped_bytes"] = sum(s["dropped_bytes"] for s in stats)
             row["replayed_ops"] = sum(s["replayed_ops"] for s in stats)
         results[name] = row
+    ref_loss, ref_grads = steps["none"]
+    for name, (loss, grads) in steps.items():
+        if name != "none":
+            results[name]["bitwise"] = torch.equal(loss, ref_loss) and all(
+                torch.equal(a, b) for a, b in zip(grads, ref_grads)
+            )
     return results
 
 

@@ -28,7 +28,10 @@ The parts, each a module of this package (docs/design/layers.md):
 * ``step_state``: what a planning run changes (buffers, ``.grad``), saved
   and put back;
 * ``block_calls``: one call of a model capturing each block's arguments;
-* ``checks``: the planners' argument checks.
+* ``checks``: the planners' argument checks;
+* ``ranks``: what the planners measure, agreed across the ranks of a
+  process group, so that every rank makes the same planning runs and the
+  same plan.
 
 The profiling they start from is ``torch_sac._op_profile``, a utility below
 the engines that the profiler and the CLI use too. The planners run regions,

@@ -58,6 +58,9 @@ import dataclasses
 import heapq
 import statistics
 
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
 from .. import _C
 from .._blocks import find_blocks
 from .._op_profile import RegionProfile
@@ -599,9 +602,7 @@ class StepBlocks:
                     input_bytes=in_bytes,
                     activation=activation,
                     full_seconds=full_seconds,
-                    grad=sum(
-                        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-                    ),
+                    grad=sum(_local_bytes(p) for p in module.parameters() if p.requires_grad),
                     rebuilt=recompute_all[0].in_backward,
                 )
             )
@@ -754,6 +755,15 @@ class StepBlocks:
 # block then does, plainly (a block with no matmuls keeping "matmuls" keeps
 # its input), else the first listed.
 _PLAIN_NAMES = ("keep all", "input")
+
+
+def _local_bytes(t):
+    """The bytes ``t`` holds on this rank: a traceable wrapper subclass's
+    inner tensors (a DTensor parameter's local shard), not its global size."""
+    if is_traceable_wrapper_subclass_type(type(t)):
+        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+        return sum(_local_bytes(x) for x in inner if isinstance(x, torch.Tensor))
+    return t.numel() * t.element_size()
 
 
 def _distinct(options):

@@ -38,6 +38,7 @@ from .checks import (
 )
 from .peak_plan import PeakPlan
 from .peak_search import plan_for_peak
+from .ranks import agree_profile
 from .region_numbering import region_call_names, renumber
 
 __all__ = [
@@ -282,8 +283,10 @@ def _profiled_plan(
         repeats=repeats if cost == "time" else 0,
         count_flops=cost == "flops",
     )
-    # Keyed as the engines see the calls (region_numbering.py).
+    # Keyed as the engines see the calls (region_numbering.py); the same
+    # numbers on every rank, so every rank makes the same plan (ranks.py).
     renumber(profile, region_call_names(fn, args, kwargs))
+    agree_profile(profile, where)
     return _plan(profile, cost, bytes_, fraction, solver, max_states, where)
 
 

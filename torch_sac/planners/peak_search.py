@@ -59,6 +59,7 @@ from .block_options import (
 )
 from .chain import kept_bytes, model_peak, offloaded_bytes, solve_chain
 from .peak_plan import PeakPlan
+from .ranks import agree_profile, agree_run, rank0s
 from .region_numbering import region_call_names, renumber
 from .step_state import StepState
 
@@ -313,6 +314,8 @@ class Planner:
                 budget,
                 self.state.ran_backward,
             )
+        # The same numbers on every rank, so every rank decides alike (ranks.py).
+        agree_run(r)
         self.measured.append(r)
         return r
 
@@ -353,10 +356,12 @@ class Planner:
                 ) from None
             self.chain_note = str(e)
             return None
-        # The profile's calls as the region numbers them (one more forward).
+        # The profile's calls as the region numbers them (one more forward),
+        # and its numbers the same on every rank (ranks.py).
         renumber(
             profile, self.forward_run(lambda: region_call_names(self.fn, self.args, self.kwargs))
         )
+        agree_profile(profile, self.where)
         self.step = StepBlocks(
             profile,
             blocks,
@@ -398,7 +403,7 @@ class Planner:
         start = time.perf_counter()
         with self.state.run(), _gc_paused():
             result = call()
-        self.measured.append(_Run(None, time.perf_counter() - start, 0.0, None))
+        self.measured.append(agree_run(_Run(None, time.perf_counter() - start, 0.0, None)))
         return result
 
     def chain_search(self):
@@ -436,20 +441,26 @@ class Planner:
             # aims the next one back above a plan that went over.
             error = max(errors) + margin if errors else 0
             solution = solve_blocks(step, peak_bytes - error, base, forward_base)
-            if solution is None:
-                if tried:
-                    break
+            if solution is not None:
+                plan = (list(solution.choices), solution.seconds, solution.peak)
+            elif tried:
+                plan = None
+            else:
                 per_block = step.recipe("input")
                 modelled = model_peak(chain, per_block, base, forward_base)
+                plan = (per_block, sum(b.full_seconds for b in chain), modelled)
                 if modelled > peak_bytes * (1 + _CHAIN_SLACK):
-                    self.chain_note = "the chain's modelled least peak is above peak_bytes"
-                    break
-                choices, seconds = per_block, sum(b.full_seconds for b in chain)
-            else:
-                choices, seconds = list(solution.choices), solution.seconds
-                modelled = solution.peak
-            saved = step.saved_calls(choices)
-            offloaded = step.offloaded_calls(choices)
+                    plan = "above"
+            if isinstance(plan, tuple):
+                plan += (step.saved_calls(plan[0]), step.offloaded_calls(plan[0]))
+            # Rank 0's decision on every rank (ranks.py).
+            plan = rank0s(plan)
+            if plan is None:
+                break
+            if plan == "above":
+                self.chain_note = "the chain's modelled least peak is above peak_bytes"
+                break
+            choices, seconds, modelled, saved, offloaded = plan
             if (saved, offloaded) in tried:
                 break
             tried.append((saved, offloaded))
