@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -19,6 +20,25 @@ __all__ = ["ReplayBudget", "sac_context"]
 _stack = _state.stack
 in_region = _state.in_region
 _observers = _state.observers
+
+
+def _warn_kept_as_is(region):
+    """One warning per region that kept saved tensors it cannot rebuild:
+    what would be dropped is not, and nothing else says so."""
+    kinds = region.kept_as_is()
+    if not kinds:
+        return
+    count = sum(n for n, _ in kinds.values())
+    nbytes = sum(b for _, b in kinds.values())
+    which = ", ".join(f"{kind} ({n})" for kind, (n, _) in kinds.items())
+    warnings.warn(
+        f"torch_sac.sac_context: this region kept {count} tensors autograd saved ({nbytes} "
+        f"bytes) as they are, since it cannot rebuild their kind: {which}. The policy's "
+        "RECOMPUTE does not apply to them. To let a region drop them, make a tensor subclass "
+        "traceable (__tensor_flatten__ and __tensor_unflatten__), or checkpoint that code "
+        "with torch.utils.checkpoint; sac_context.kept_as_is() lists them.",
+        stacklevel=3,
+    )
 
 
 class sac_context:
@@ -211,6 +231,8 @@ class sac_context:
             ) from error
         if error is not None:
             raise error
+        if self._owner and exc_type is None:
+            _warn_kept_as_is(self._region)
         return False
 
     def _undo(self):
@@ -257,6 +279,15 @@ class sac_context:
         """Per op overload, first-seen order: ``(op, saved, dropped, replayed)``."""
         self._check_used("op_summary")
         return self._region.op_summary()
+
+    def kept_as_is(self) -> dict[str, tuple[int, int]]:
+        """The tensors autograd saved in this region that the region kept as
+        they are because it cannot rebuild their kind: ``{kind: (tensors,
+        storage bytes)}``, e.g. ``{"a quantized tensor": (4, 8192)}``. A
+        tensor subclass with ``__tensor_flatten__`` (DTensor) is not among
+        them: the region drops and rebuilds its inner tensors."""
+        self._check_used("kept_as_is")
+        return dict(self._region.kept_as_is())
 
     def op_details(self) -> list[dict[str, Any]]:
         """Per op overload, first-seen order: a dict with ``op``, ``saved``,

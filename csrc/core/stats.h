@@ -110,7 +110,16 @@ namespace region {
     "chain (replay_budget.h)")                                                                     \
   X(first_rebuild_replayed_ops,                                                                    \
     "ops the first rebuild of the last backward pass replayed (a peak plan checks that "           \
-    "its first sweep covered the whole tape)")
+    "its first sweep covered the whole tape)")                                                     \
+  X(kept_as_is,                                                                                    \
+    "saved tensors of a kind the region cannot rebuild (a subclass without "                       \
+    "__tensor_flatten__, quantized, nested, sparse): autograd keeps them as usual "                \
+    "(sac_context.kept_as_is() says which kinds)")                                                 \
+  X(kept_as_is_bytes, "their storage bytes")                                                       \
+  X(collective_ops,                                                                                \
+    "collectives forward ran: a replay never runs one again, so what replays need of "             \
+    "their outputs is kept")                                                                       \
+  X(collective_bytes, "storage bytes of the collectives' outputs")
 
 struct RegionStats {
   TORCH_SAC_REGION_STATS(TORCH_SAC_STAT_MEMBER)

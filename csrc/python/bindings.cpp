@@ -141,6 +141,7 @@ PYBIND11_MODULE(_C, m) {
       .def("pop_policy", &region::Region::pop_policy, NoGil())
       .def("close", &region::Region::close, NoGil())
       .def("pack_hook", &python::pack_hook)
+      .def("kept_as_is", &region::Region::kept_as_is, NoGil())
       .def(
           "set_storage_restorer",
           [](region::Region& self, py::object restore, py::object done) {

@@ -151,16 +151,34 @@ def test_the_policy_sees_the_inner_ops_only():
     assert all(t is torch.Tensor for _, types in seen for t in types)
 
 
-def test_a_subclass_that_does_not_flatten_is_kept_whole_and_exact():
+def test_a_subclass_that_does_not_flatten_is_kept_whole_exact_and_said():
+    """Kept as autograd keeps it, exact, and never silent: one warning per
+    region names the kind and the fix, and kept_as_is() lists it."""
     x = torch.randn(4, 3)
     ref = x.clone().requires_grad_()
     (ref * ref.sum()).exp().sum().backward()
     w = SizesDispatchingTensor(x.clone()).requires_grad_()
-    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
-        out = (w * w.sum()).exp().sum()
+    with pytest.warns(
+        UserWarning, match=r"kept \d+ tensors .*__torch_dispatch__.*__tensor_flatten__"
+    ):
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+            out = (w * w.sum()).exp().sum()
     out.backward()
     assert torch.equal(w.grad.inner, ref.grad)
-    assert region.stats()["packed_dropped"] == 0
+    stats = region.stats()
+    assert stats["packed_dropped"] == 0 and stats["kept_as_is"] > 0
+    kinds = region.kept_as_is()
+    assert list(kinds) == ["a tensor subclass with __torch_dispatch__"], kinds
+    assert sum(n for n, _ in kinds.values()) == stats["kept_as_is"]
+
+
+def test_a_traceable_subclass_is_not_kept_as_is(recwarn):
+    x = _tagged(torch.randn(4, 3)).requires_grad_()
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+        out = x.sin().exp().sum()
+    out.backward()
+    assert region.kept_as_is() == {} and region.stats()["kept_as_is"] == 0
+    assert not [w for w in recwarn if "kept" in str(w.message)]
 
 
 def test_dtensor_on_one_rank_is_checkpointed_and_exact():

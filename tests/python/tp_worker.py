@@ -428,6 +428,8 @@ def run_case(case, mesh, rank):
             stats = [r.stats() for r in regions]
             row["dropped_bytes"] = sum(s["dropped_bytes"] for s in stats)
             row["replayed_ops"] = sum(s["replayed_ops"] for s in stats)
+            row["collective_ops"] = sum(s["collective_ops"] for s in stats)
+            row["kept_as_is"] = sum(s["kept_as_is"] for s in stats)
         results[name] = row
     ref_loss, ref_grads = steps["none"]
     for name, (loss, grads) in steps.items():

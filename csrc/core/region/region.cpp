@@ -400,6 +400,16 @@ void Region::handle(
   const EntryId entry_index = tape_.entries.next_id();
   Entry entry{op, op_index, call_index};
   entry.scope = tape_.scope();
+  if (facts.collective) {
+    ++stats_.collective_ops;
+    for (const c10::IValue& out : outputs) {
+      for_each_tensor(out, [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) {
+          stats_.collective_bytes += static_cast<int64_t>(t.storage().nbytes());
+        }
+      });
+    }
+  }
   if (!can_record || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.
@@ -462,14 +472,25 @@ SavedActivation keep(const at::Tensor& t) {
 } // namespace
 
 SavedActivation Region::pack(const at::Tensor& t) {
-  if (t.defined() && unrecordable_kind(t) != nullptr) {
+  if (const char* kind = t.defined() ? unrecordable_kind(t) : nullptr) {
     SavedActivation saved = keep(t);
+    const int64_t bytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.packed_kept;
+    ++stats_.kept_as_is;
+    stats_.kept_as_is_bytes += bytes;
+    auto& [count, total] = kept_as_is_[kind];
+    ++count;
+    total += bytes;
     return saved;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   return pack_locked(t);
+}
+
+std::map<std::string, std::pair<int64_t, int64_t>> Region::kept_as_is() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return kept_as_is_;
 }
 
 std::optional<SavedActivation> Region::try_pack(const at::Tensor& t) {

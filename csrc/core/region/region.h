@@ -149,6 +149,9 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   RegionStats stats() const;
   std::vector<RegionOpSummary> op_summary() const;
+  // Saved tensors the region kept as they are, by kind (unrecordable_kind):
+  // {kind: (tensors, storage bytes)}.
+  std::map<std::string, std::pair<int64_t, int64_t>> kept_as_is() const;
 
   // Runs `schedule` in backward instead of choosing what each rebuild keeps
   // (replay_schedule.h). Not with a replay budget; set before backward.
@@ -251,6 +254,7 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   const bool records_;
   bool open_ = true;
   RegionStats stats_;
+  std::map<std::string, std::pair<int64_t, int64_t>> kept_as_is_; // kept_as_is()
   // The parts (declared before the planner, which refers to them).
   Tape tape_;              // what forward recorded (tape.h)
   StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)
