@@ -32,7 +32,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORLD = {"tp_sp": 2, "tp": 2, "fsdp_tp": 4, "pp": 2, "tp_sp_dropin_first": 2, "plans": 2}
+WORLD = {
+    "tp_sp": 2,
+    "tp": 2,
+    "fsdp_tp": 4,
+    "pp": 2,
+    "tp_sp_dropin_first": 2,
+    "plans": 2,
+    "tp_sp_policy_per_rank": 2,
+}
 # The whole run takes ~15 s on 2 cores; this bounds a hang.
 LIMIT_S = 400
 
@@ -179,3 +187,13 @@ def test_plans_under_tensor_parallel_are_the_same_on_every_rank(tmp_path_factory
         if name.startswith("plan_peak"):
             assert row["fits"] and row["bitwise"], (name, row)
     assert "plan" in ranks[0]["plan_peak 0.8"]
+
+
+def test_a_policy_per_rank_is_exact_and_cannot_hang(tmp_path_factory):
+    """Rank 0 keeps the matmuls, rank 1 recomputes everything: the ranks'
+    backward replays differ, which is safe because a replay never runs a
+    collective; each rank is bitwise exact (the test's hang limit would
+    catch a hang)."""
+    for rank, results in enumerate(_run("tp_sp_policy_per_rank", tmp_path_factory)):
+        row = results["apply_sac, a policy per rank"]
+        assert "error" not in row and row["bitwise"], (rank, row)

@@ -194,6 +194,13 @@ def variant(name, model):
     regions = []
     if name == "none":
         return (lambda: None), regions
+    if name == "apply_sac, a policy per rank":
+        # Rank 0 keeps the matmuls, the others recompute everything.
+        rank = dist.get_rank()
+        policy = (
+            torch_sac.policies.save_matmuls() if rank == 0 else torch_sac.policies.recompute_all()
+        )
+        return torch_sac.apply_sac(model, policy).remove, regions
     if name.startswith("apply_sac "):
         policy = getattr(torch_sac.policies, name.split()[1])()
         handle = torch_sac.apply_sac(model, policy)
@@ -393,9 +400,11 @@ def run_case(case, mesh, rank):
         return run_pipeline(rank, dist.get_world_size())
     if case == "plans":
         return run_plans(mesh)
-    sequence_parallel = case in ("tp_sp", "fsdp_tp", "tp_sp_dropin_first")
+    sequence_parallel = case in ("tp_sp", "fsdp_tp", "tp_sp_dropin_first", "tp_sp_policy_per_rank")
     if case == "fsdp_tp":
         names = VARIANTS[:4]
+    elif case == "tp_sp_policy_per_rank":
+        names = ("none", "apply_sac, a policy per rank")
     elif case == "tp_sp_dropin_first":
         # DTensor's caches cold: its first calls run sharding propagation
         # (FakeTensorMode) inside the drop-in's forward only.
