@@ -205,14 +205,12 @@ def variant(name, model):
         policy = getattr(torch_sac.policies, name.split()[1])()
         handle = torch_sac.apply_sac(model, policy)
         return handle.remove, regions
-    if name == "torch SAC, op list":
-        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, _torch_sac_list)
-        return _per_block(
-            model,
-            lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn),
-        ), regions
-    if name == "torch_sac drop-in, op list":
-        ctx_fn = functools.partial(torch_sac.create_selective_checkpoint_contexts, SAVE_LIST)
+    contexts = {
+        "torch SAC, op list": (tc.create_selective_checkpoint_contexts, _torch_sac_list),
+        "torch_sac drop-in, op list": (torch_sac.create_selective_checkpoint_contexts, SAVE_LIST),
+    }
+    if name in contexts:
+        ctx_fn = functools.partial(*contexts[name])
         return _per_block(
             model,
             lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False, context_fn=ctx_fn),
