@@ -38,7 +38,7 @@ from .checks import (
 )
 from .peak_plan import PeakPlan
 from .peak_search import plan_for_peak
-from .ranks import agree_profile
+from .ranks import agree_profile, least
 from .region_numbering import region_call_names, renumber
 
 __all__ = [
@@ -242,6 +242,7 @@ def _plan(profile, cost, bytes_, fraction, solver, max_states, where):
         budget_bytes = int(fraction * profile.activation_bytes)
     else:
         budget_bytes = int(bytes_)
+    budget_bytes = least(budget_bytes)  # the same plan on every rank (ranks.py)
     # Items: the op calls that can be saved. Storages from outside the region
     # cost nothing to keep.
     candidates = [i for i, r in enumerate(profile.records) if r.saveable]

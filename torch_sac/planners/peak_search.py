@@ -59,7 +59,7 @@ from .block_options import (
 )
 from .chain import kept_bytes, model_peak, offloaded_bytes, solve_chain
 from .peak_plan import PeakPlan
-from .ranks import agree_profile, agree_run, rank0s
+from .ranks import agree_profile, agree_run, least, rank0s
 from .region_numbering import region_call_names, renumber
 from .step_state import StepState
 
@@ -681,10 +681,12 @@ def plan_for_peak(fn, args, kwargs, peak_bytes, where, blocks="auto", offload=No
             f"torch_sac.{where}: peak_bytes plans measure fn as an outermost region, but a "
             "sac_context is open on this thread: plan outside it"
         )
+    # The same peak on every rank (ranks.py).
+    peak_bytes = least(int(peak_bytes))
     state = StepState()
     try:
         state.find(fn, args, kwargs)
-        return _find_plan(Planner(fn, args, kwargs, int(peak_bytes), where, state, blocks, offload))
+        return _find_plan(Planner(fn, args, kwargs, peak_bytes, where, state, blocks, offload))
     finally:
         state.restore()
 

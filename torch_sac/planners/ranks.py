@@ -21,6 +21,9 @@ every rank then takes the same decisions and ends with the same plan:
   differ in small ways: measured on 2 gloo ranks, one rank once took a
   plan the other did not, and the next planning run waited for ever).
 
+The peak asked for is the least any rank asks for (each rank measures its
+own peak, and a share of it differs between ranks).
+
 Outside ``torch.distributed`` (or with one rank) nothing changes and no
 collective runs. Planning assumes every rank of the default group plans
 the same step at the same time (tensor, sequence, data parallel, FSDP2);
@@ -34,7 +37,7 @@ import torch
 
 from ..schedule import ReplaySchedule
 
-__all__ = ["agree_profile", "agree_run", "ranks", "rank0s"]
+__all__ = ["agree_profile", "agree_run", "least", "ranks", "rank0s"]
 
 
 def ranks() -> int:
@@ -65,6 +68,15 @@ def _rank0(obj):
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def least(value):
+    """The least ``value`` (an int: a peak asked for) over the ranks: each
+    rank measures its own peak without checkpointing, so ranks asking for
+    a share of it ask for different peaks; they plan for the tightest."""
+    if ranks() == 1:
+        return value
+    return -_most([-value])[0]
 
 
 def rank0s(obj):
