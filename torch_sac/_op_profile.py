@@ -124,6 +124,18 @@ def _storage_key(t):
         return ("tensor", id(t)), t.numel() * t.element_size()
 
 
+def plain_tensors(t):
+    """The plain tensors behind ``t``: itself, or a traceable wrapper
+    subclass's inner tensors (a DTensor's local shard), recursively."""
+    if not is_traceable_wrapper_subclass_type(type(t)):
+        yield t
+        return
+    for name in t.__tensor_flatten__()[0]:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from plain_tensors(inner)
+
+
 def _replayable(func):
     """Ops that can run again without side effects, for timing."""
     if func.namespace not in ("aten", "prims"):
@@ -278,17 +290,6 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
         saved.append((len(mode.records), t))
         return t
 
-    def saved_tensors(t):
-        # A traceable wrapper subclass (DTensor) saves its inner tensors,
-        # as the region packs it.
-        if not is_traceable_wrapper_subclass_type(type(t)):
-            yield t
-            return
-        for name in t.__tensor_flatten__()[0]:
-            inner = getattr(t, name)
-            if isinstance(inner, torch.Tensor):
-                yield from saved_tensors(inner)
-
     def enter(index):
         def hook(module, block_args, block_kwargs):
             first = next(
@@ -321,7 +322,9 @@ def profile_region(fn, args, kwargs=None, *, repeats=3, count_flops=True, blocks
         for h in handles:
             h.remove()
     for position, outer in saved:
-        for t in saved_tensors(outer):
+        # A traceable wrapper subclass (DTensor) saves its inner tensors,
+        # as the region packs it.
+        for t in plain_tensors(outer):
             key, _ = _storage_key(t)
             idx = mode.storage_index.get(key)
             if idx is not None:

@@ -58,12 +58,9 @@ import dataclasses
 import heapq
 import statistics
 
-import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
-
 from .. import _C
 from .._blocks import find_blocks
-from .._op_profile import RegionProfile
+from .._op_profile import RegionProfile, plain_tensors
 from .chain import BlockChoice, ChainBlock, ChainOption, PlanInvariantError, check_choices
 from .peak_plan import BlockRow
 from .region_numbering import op_name
@@ -602,7 +599,13 @@ class StepBlocks:
                     input_bytes=in_bytes,
                     activation=activation,
                     full_seconds=full_seconds,
-                    grad=sum(_local_bytes(p) for p in module.parameters() if p.requires_grad),
+                    # This rank's bytes: a DTensor parameter's local shard.
+                    grad=sum(
+                        t.numel() * t.element_size()
+                        for p in module.parameters()
+                        if p.requires_grad
+                        for t in plain_tensors(p)
+                    ),
                     rebuilt=recompute_all[0].in_backward,
                 )
             )
@@ -755,15 +758,6 @@ class StepBlocks:
 # block then does, plainly (a block with no matmuls keeping "matmuls" keeps
 # its input), else the first listed.
 _PLAIN_NAMES = ("keep all", "input")
-
-
-def _local_bytes(t):
-    """The bytes ``t`` holds on this rank: a traceable wrapper subclass's
-    inner tensors (a DTensor parameter's local shard), not its global size."""
-    if is_traceable_wrapper_subclass_type(type(t)):
-        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-        return sum(_local_bytes(x) for x in inner if isinstance(x, torch.Tensor))
-    return t.numel() * t.element_size()
 
 
 def _distinct(options):
