@@ -32,9 +32,13 @@ struct OpFacts {
   bool draws_random = false;
   std::optional<size_t> dropout_p_arg; // a `dropout_p` argument (SDPA kernels)
   // Collectives (c10d::, _c10d_functional::, _c10d_functional_autograd::,
-  // _dtensor::): never replayed, since a replay on one rank would desync the
-  // others.
+  // _dtensor::).
   bool collective = false;
+  // A functional collective (_c10d_functional::, out of place, not
+  // wait_tensor): a region may replay it, waiting for it at once. The others
+  // write their outputs in place (c10d::) or carry autograd of their own,
+  // and run as if outside a region.
+  bool replayable_collective = false;
   // _c10d_functional::wait_tensor: waits for a functional collective's
   // output and returns it. The drop-in neither numbers nor caches it: an
   // AsyncCollectiveTensor waits lazily, once per Python object, so a

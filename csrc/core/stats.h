@@ -117,9 +117,10 @@ namespace region {
     "(sac_context.kept_as_is() says which kinds)")                                                 \
   X(kept_as_is_bytes, "their storage bytes")                                                       \
   X(collective_ops,                                                                                \
-    "collectives forward ran: a replay never runs one again, so what replays need of "             \
-    "their outputs is kept")                                                                       \
-  X(collective_bytes, "storage bytes of the collectives' outputs")
+    "collectives forward ran (functional ones the policy recomputed run again in backward, "       \
+    "once a pass, at the first unpack that needs them; other kinds are never replayed)")           \
+  X(collective_bytes, "storage bytes of the collectives' outputs")                                 \
+  X(collective_replays, "collectives backward ran again")
 
 struct RegionStats {
   TORCH_SAC_REGION_STATS(TORCH_SAC_STAT_MEMBER)

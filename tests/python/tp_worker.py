@@ -205,6 +205,10 @@ def variant(name, model):
         policy = getattr(torch_sac.policies, name.split()[1])()
         handle = torch_sac.apply_sac(model, policy)
         return handle.remove, regions
+    if name == "torch.utils.checkpoint per block":
+        return _per_block(
+            model, lambda f: lambda x: tc.checkpoint(f, x, use_reentrant=False)
+        ), regions
     contexts = {
         "torch SAC, op list": (tc.create_selective_checkpoint_contexts, _torch_sac_list),
         "torch_sac drop-in, op list": (torch_sac.create_selective_checkpoint_contexts, SAVE_LIST),
@@ -236,6 +240,7 @@ VARIANTS = (
     "torch_sac region, op list",
     "torch SAC, op list",
     "torch_sac drop-in, op list",
+    "torch.utils.checkpoint per block",
 )
 
 
@@ -436,6 +441,7 @@ def run_case(case, mesh, rank):
             row["dropped_bytes"] = sum(s["dropped_bytes"] for s in stats)
             row["replayed_ops"] = sum(s["replayed_ops"] for s in stats)
             row["collective_ops"] = sum(s["collective_ops"] for s in stats)
+            row["collective_replays"] = sum(s["collective_replays"] for s in stats)
             row["kept_as_is"] = sum(s["kept_as_is"] for s in stats)
         results[name] = row
     ref_loss, ref_grads = steps["none"]

@@ -64,7 +64,7 @@ void RebuildPlanner::release_after_rebuild(StorageId target) {
   }
   std::vector<StorageId> held;
   for (StorageId s : storages_.memoised()) {
-    if (s != target && storages_[s].memo.strong()) {
+    if (s != target && storages_[s].memo.strong() && !storages_[s].pinned) {
       held.push_back(s);
     }
   }

@@ -2,7 +2,9 @@
 
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <utility>
 
 #include "csrc/core/detached_alias.h"
@@ -97,10 +99,15 @@ void Region::close() {
   // is the policy and which keeps its region); they are destroyed after the
   // mutex is released, since a Python one takes the GIL to die.
   std::vector<std::shared_ptr<OpPolicy>> policies;
-  std::lock_guard<std::mutex> lock(mutex_);
-  open_ = false;
-  policies.swap(policies_);
-  release_unneeded_entries();
+  CollectiveAgreement collectives;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = false;
+    policies.swap(policies_);
+    collectives = std::move(collectives_);
+    release_unneeded_entries();
+  }
+  collectives.check();
 }
 
 void Region::release_unneeded_entries() {
@@ -114,6 +121,7 @@ void Region::release_unneeded_entries() {
     return;
   }
   tape_.release_from(static_cast<size_t>(storages_.latest_horizon()));
+  storages_.unpin_from(EntryId(storages_.latest_horizon()));
 }
 
 Policy Region::decide(const OpCall& call, const std::string& op_name) {
@@ -136,14 +144,16 @@ bool Region::recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs)
   // sparse, subclasses) runs as if outside the region: its outputs are not
   // tracked, so autograd keeps them. Nothing here may throw: such ops also
   // run inside autograd's own bookkeeping, where an exception aborts.
-  // Collectives are never replayed (a replay on one rank would desync the
-  // others), and an op writing a list of tensors (`_foreach_*_`, FSDP's
-  // split copies) is not tracked write by write: both run as if outside.
+  // Collectives other than functional ones (c10d's in-place ones, autograd
+  // and DTensor's own) are never replayed, and an op writing a list of
+  // tensors (`_foreach_*_`, FSDP's split copies) is not tracked write by
+  // write: both run as if outside.
   bool writes_list = false;
   for (size_t i : facts.written_args) {
     writes_list = writes_list || inputs[i].isTensorList() || inputs[i].isList();
   }
-  return !facts.collective && !writes_list && first_unrecordable(inputs) == nullptr;
+  return (!facts.collective || facts.replayable_collective) && !writes_list &&
+      first_unrecordable(inputs) == nullptr;
 }
 
 void Region::observe_inputs(c10::ArrayRef<c10::IValue> inputs) {
@@ -410,6 +420,18 @@ void Region::handle(
       });
     }
   }
+  if (facts.collective_wait) {
+    // The backend wrote the collective's output (bumping its version) on
+    // its own thread, at a time of its own, until now.
+    for (const c10::IValue& in : inputs) {
+      for_each_tensor(in, [&](const at::Tensor& t) {
+        const StorageId s = storages_.find(t);
+        if (s.valid()) {
+          storages_.settle(s, t);
+        }
+      });
+    }
+  }
   if (!can_record || first_unrecordable(outputs) != nullptr) {
     // Not replayable: its outputs stay untracked, and a storage it wrote can
     // no longer be rebuilt past this point.
@@ -430,6 +452,11 @@ void Region::handle(
   if (produced) {
     count_decision(info, call_index, decision, new_bytes);
   }
+  if (facts.collective) {
+    for (const auto& [position, s] : entry.produced) {
+      storages_.unsettle(s);
+    }
+  }
   if (is_offload(decision)) {
     for (const auto& [position, s] : entry.produced) {
       storages_[s].offload = true;
@@ -438,11 +465,20 @@ void Region::handle(
   }
   bool writes_replayable = false;
   for (StorageId s : writes.storages) {
+    if (is_collective_output(s)) {
+      // Replays of a collective happen once a pass (note_collective_deps):
+      // a later state of its output is kept, not rebuilt.
+      storages_[s].replayable = false;
+    }
     writes_replayable = writes_replayable || storages_[s].replayable;
   }
   entry.replayable = (produced && !save) || writes_replayable;
+  if (facts.replayable_collective) {
+    collectives_.note(op, facts, call_index, inputs, entry.replayable);
+  }
   if (entry.replayable) {
     record_for_replay(entry, inputs, writes.overwritten, std::move(rng));
+    note_collective_deps(entry, entry_index, facts.replayable_collective, writes.storages);
   }
   for (StorageId s : writes.storages) {
     storages_[s].mutations.push_back(entry_index);
@@ -454,6 +490,50 @@ void Region::handle(
   stats_.record_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                           (run_start - record_start) + (record_end - run_end))
                           .count();
+}
+
+bool Region::is_collective_output(StorageId storage) const {
+  const EntryId producer = storages_[storage].producer;
+  return producer.valid() &&
+      tape_.ops[tape_.entries[producer].op_index].facts->replayable_collective;
+}
+
+void Region::note_collective_deps(
+    const Entry& entry,
+    EntryId index,
+    bool collective,
+    const std::vector<StorageId>& written) {
+  // What its outputs' rebuilds may replay: what its rebuilt inputs' may,
+  // and the entry itself if it is a collective. Tape order is kept sorted.
+  std::vector<EntryId> deps;
+  for (const ArgSlot& slot : entry.slots) {
+    if (slot.held.defined() || slot.offloaded.defined() || !slot.storage.valid()) {
+      continue;
+    }
+    const std::vector<EntryId>& more = storages_[slot.storage].collective_deps;
+    if (more.empty()) {
+      continue;
+    }
+    std::vector<EntryId> merged;
+    merged.reserve(deps.size() + more.size());
+    std::set_union(deps.begin(), deps.end(), more.begin(), more.end(), std::back_inserter(merged));
+    deps = std::move(merged);
+  }
+  if (collective) {
+    deps.push_back(index);
+  }
+  if (deps.empty()) {
+    return;
+  }
+  for (const auto& [position, s] : entry.produced) {
+    storages_[s].collective_deps = deps;
+  }
+  for (StorageId s : written) {
+    std::vector<EntryId>& mine = storages_[s].collective_deps;
+    std::vector<EntryId> merged;
+    std::set_union(mine.begin(), mine.end(), deps.begin(), deps.end(), std::back_inserter(merged));
+    mine = std::move(merged);
+  }
 }
 
 namespace {
@@ -529,6 +609,11 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
     saved.kept = held_for_backward(t);
     ++stats_.packed_kept;
     return saved;
+  }
+  const std::vector<EntryId>& collectives = storages_[s].collective_deps;
+  if (!collectives.empty()) {
+    collectives_.note_dependent_pack(
+        stats_.packed_kept + stats_.packed_dropped + stats_.packed_offloaded, collectives);
   }
   saved.region = shared_from_this();
   saved.storage = s;

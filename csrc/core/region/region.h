@@ -52,6 +52,7 @@
 #include "csrc/core/interceptor.h"
 #include "csrc/core/offload/offloader.h"
 #include "csrc/core/op_policy.h"
+#include "csrc/core/region/collective_agreement.h"
 #include "csrc/core/region/rebuild_planner.h"
 #include "csrc/core/region/replay_schedule.h"
 #include "csrc/core/region/storage_table.h"
@@ -210,6 +211,24 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       const std::vector<c10::IValue>& overwritten,
       std::optional<RngSnapshot> rng);
 
+  // The storage is the output of a collective a replay may run.
+  bool is_collective_output(StorageId storage) const;
+  // The collectives a rebuild of the entry's outputs (and of what it
+  // writes) may replay (StorageRecord::collective_deps).
+  void note_collective_deps(
+      const Entry& entry,
+      EntryId index,
+      bool collective,
+      const std::vector<StorageId>& written);
+  // Before a rebuild of `saved`, with or without a replay: replays the
+  // collectives it depends on that this pass has not (pinned), in tape
+  // order. Where the first replay of a collective happens then depends
+  // only on the order of unpacks, the same on every rank, never on what is
+  // still alive.
+  void replay_collectives_for(const SavedActivation& saved);
+  // materialize(), with the storage restorer's end (FSDP2) after it.
+  c10::Storage materialize_restoring(StorageId storage, StateId state, ScopeId scope);
+
   SavedActivation pack_locked(const at::Tensor& t);
   void forget_locked(StorageId storage, int64_t unpacked_pass, int32_t horizon);
   // A replay on this thread holds mutex_: an activation freed by code the
@@ -259,6 +278,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   Tape tape_;              // what forward recorded (tape.h)
   StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)
   RebuildPlanner planner_; // what a rebuild replays and keeps (rebuild_planner.h)
+  // Functional collectives met in forward, checked across ranks on close().
+  CollectiveAgreement collectives_;
   StorageRestorer restorer_;
   bool restored_in_replay_ = false;
   // The thread whose rebuild holds mutex_ (none: default id), and the

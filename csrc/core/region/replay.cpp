@@ -25,6 +25,21 @@ std::string describe(const at::Tensor& t) {
   return out.str();
 }
 
+// A replayed functional collective's outputs are waited for at once: its
+// consumers in the replay read them next, and nothing else would wait.
+void wait_for_collective(const torch::jit::Stack& outputs) {
+  static const c10::OperatorHandle wait = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "_c10d_functional::wait_tensor", "");
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      if (t.defined()) {
+        torch::jit::Stack stack{t};
+        wait.callBoxed(stack);
+      }
+    });
+  }
+}
+
 } // namespace
 
 at::Tensor unpack(const SavedActivation& saved) {
@@ -87,6 +102,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
     storages_.mark_unpacked(saved.storage);
   }
   saved.unpacked_task = task;
+  replay_collectives_for(saved);
   if (saved.original) {
     auto original = saved.original->lock();
     if (original.defined()) {
@@ -101,10 +117,18 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
     ++stats_.unpacked_original;
     return saved.geometry.view_of(alive);
   }
+  const c10::Storage base = materialize_restoring(saved.storage, saved.state, saved.scope);
+  at::Tensor result = saved.geometry.view_of(base);
+  result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
+  storages_.release_memos();
+  return result;
+}
+
+c10::Storage Region::materialize_restoring(StorageId storage, StateId state, ScopeId scope) {
   restored_in_replay_ = false;
   c10::Storage base;
   try {
-    base = materialize(saved.storage, saved.state, saved.scope);
+    base = materialize(storage, state, scope);
   } catch (...) {
     if (restored_in_replay_ && restorer_.done) {
       restorer_.done();
@@ -114,10 +138,19 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   if (restored_in_replay_ && restorer_.done) {
     restorer_.done();
   }
-  at::Tensor result = saved.geometry.view_of(base);
-  result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
-  storages_.release_memos();
-  return result;
+  return base;
+}
+
+void Region::replay_collectives_for(const SavedActivation& saved) {
+  for (EntryId collective : storages_.at(saved.storage).collective_deps) {
+    const Entry& entry = tape_.entries[collective];
+    TORCH_INTERNAL_ASSERT(!entry.produced.empty(), "torch_sac: a replayed collective made nothing");
+    const StorageId output = entry.produced.front().second;
+    if (!storages_[output].pinned) {
+      materialize_restoring(output, StateId(0), saved.scope);
+      ++stats_.collective_replays;
+    }
+  }
 }
 
 void Region::start_new_pass() {
@@ -181,12 +214,17 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
       return slot.geometry.view_of(m->second.first);
     };
     const torch::jit::Stack outputs = replay_entry(e, resolve);
+    const bool collective = tape_.ops[entry.op_index].facts->replayable_collective;
     int32_t position = 0;
     auto produced = entry.produced.begin();
     for (const c10::IValue& out : outputs) {
       for_each_tensor(out, [&](const at::Tensor& t) {
         if (produced != entry.produced.end() && produced->first == position) {
           const StorageId s = produced->second;
+          if (collective) {
+            // Held for the rest of the pass (StorageTable::pin).
+            storages_.pin(s, t);
+          }
           if (plan.states.count(s)) {
             working[s] = {t, StateId(0)};
           } else if (may_keep(s, StateId(0))) {
@@ -326,7 +364,12 @@ torch::jit::Stack Region::replay_entry(
       record_use_on_current_stream(stack[i].toTensor());
       stack[i] = stack[i].toTensor().clone();
     }
-    auto run = [&] { entry.op.callBoxed(stack); };
+    auto run = [&] {
+      entry.op.callBoxed(stack);
+      if (tape_.ops[entry.op_index].facts->replayable_collective) {
+        wait_for_collective(stack);
+      }
+    };
     if (entry.rng) {
       entry.rng->replay(stack, run);
     } else {

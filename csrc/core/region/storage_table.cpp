@@ -39,6 +39,9 @@ StorageId StorageTable::track(
 // cannot be seen here, as autograd cannot see it either.)
 void StorageTable::observe(StorageId storage, const at::Tensor& t) {
   StorageRecord& record = records_[storage];
+  if (record.unsettled) {
+    return;
+  }
   const uint32_t version = version_of(t);
   const bool expected = version == record.last_version ||
       (record.recorded_write_pending && version == record.last_version + 1);
@@ -47,6 +50,13 @@ void StorageTable::observe(StorageId storage, const at::Tensor& t) {
   }
   record.last_version = version;
   record.recorded_write_pending = false;
+}
+
+void StorageTable::settle(StorageId storage, const at::Tensor& t) {
+  StorageRecord& record = records_[storage];
+  record.last_version = version_of(t);
+  record.recorded_write_pending = false;
+  record.unsettled = false;
 }
 
 // A rebuilt storage met on the way is kept when autograd will still unpack
@@ -69,7 +79,7 @@ void StorageTable::release_memos() {
   size_t kept = 0;
   for (StorageId s : memoised_) {
     Memo& memo = records_[s].memo;
-    if (records_[s].pending_unpacks <= 0) {
+    if (records_[s].pending_unpacks <= 0 && !records_[s].pinned) {
       memo.weaken();
     }
     if (memo.gone()) {
@@ -79,6 +89,39 @@ void StorageTable::release_memos() {
     }
   }
   memoised_.resize(kept);
+}
+
+void StorageTable::pin(StorageId storage, const at::Tensor& t) {
+  StorageRecord& record = records_[storage];
+  memoise(storage, t, StateId(0));
+  if (!record.pinned) {
+    record.pinned = true;
+    pinned_.push_back(storage);
+  }
+}
+
+void StorageTable::unpin_from(EntryId horizon) {
+  size_t kept = 0;
+  for (StorageId s : pinned_) {
+    StorageRecord& record = records_[s];
+    if (record.producer < horizon) {
+      pinned_[kept++] = s;
+      continue;
+    }
+    record.pinned = false;
+    record.memo.clear(); // not weakened: a weak copy would be liveness again
+  }
+  pinned_.resize(kept);
+  release_memos();
+}
+
+void StorageTable::unpin_all() {
+  for (StorageId s : pinned_) {
+    records_[s].pinned = false;
+    records_[s].memo.clear();
+  }
+  pinned_.clear();
+  release_memos();
 }
 
 int64_t StorageTable::strong_memo_bytes() const {
@@ -120,6 +163,10 @@ void StorageTable::start_new_pass() {
     records_[s].memo.clear();
   }
   memoised_.clear();
+  for (StorageId s : pinned_) {
+    records_[s].pinned = false;
+  }
+  pinned_.clear();
 }
 
 void StorageTable::clear() {
@@ -127,6 +174,7 @@ void StorageTable::clear() {
   records_.shrink_to_fit();
   index_.clear();
   memoised_.clear();
+  pinned_.clear();
 }
 
 } // namespace torch_sac::region

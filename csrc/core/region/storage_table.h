@@ -45,11 +45,20 @@ struct StorageRecord {
   // may be one higher, but no more.
   uint32_t last_version = 0;
   bool recorded_write_pending = false;
+  // A collective's output before its wait: its backend writes it (and bumps
+  // its version) on a thread of its own, so versions mean nothing yet.
+  bool unsettled = false;
   // Dropped activations of this storage alive, and those of them not yet
   // unpacked in this backward pass.
   int32_t live_refs = 0;
   int32_t pending_unpacks = 0;
   Memo memo; // a rebuilt copy
+  // The collectives (replayable entries) a rebuild of it from scratch may
+  // replay, in tape order; and whether it is the output of one, replayed in
+  // this backward pass and held until no live dropped activation can need
+  // it (pin()).
+  std::vector<EntryId> collective_deps;
+  bool pinned = false;
   // Scopes other than the producer's whose entries read it (nested
   // regions only): a rebuild keeps it for those scopes' backward.
   std::vector<ScopeId> reader_scopes;
@@ -81,6 +90,13 @@ class StorageTable {
   // record makes the storage non-replayable.
   void observe(StorageId storage, const at::Tensor& t);
 
+  // A collective's output: unsettled until settle(), when its wait returns
+  // and its current version becomes the one to expect.
+  void unsettle(StorageId storage) {
+    records_[storage].unsettled = true;
+  }
+  void settle(StorageId storage, const at::Tensor& t);
+
   // Rebuilt copies (memos). A rebuilt storage is worth keeping when
   // autograd will still unpack it at that state.
   bool worth_memoising(StorageId storage, StateId state) const;
@@ -89,6 +105,16 @@ class StorageTable {
   // weak ones whose storage died.
   void release_memos();
   int64_t strong_memo_bytes() const;
+  // A replayed collective's output: held, never weakened nor let go by a
+  // budget, until unpin_from() or a new pass. Whether a later rebuild runs
+  // the collective again must not depend on what is still alive (garbage
+  // collection differs between ranks), or the ranks' replays fall out of
+  // step (collective_agreement.h).
+  void pin(StorageId storage, const at::Tensor& t);
+  // Lets go of the pins of collectives at or past `horizon` in the tape (no
+  // live dropped activation can replay them), or of all.
+  void unpin_from(EntryId horizon);
+  void unpin_all();
   // Storages holding a memo, strong or weak.
   const std::vector<StorageId>& memoised() const {
     return memoised_;
@@ -124,6 +150,7 @@ class StorageTable {
   IdVector<StorageId, StorageRecord> records_;
   std::unordered_map<const c10::StorageImpl*, StorageId> index_;
   std::vector<StorageId> memoised_;
+  std::vector<StorageId> pinned_;
   int64_t live_dropped_ = 0;                 // SavedActivations referring to the region
   int64_t pass_ = 0;                         // backward passes through the region, from 0
   std::map<int32_t, int32_t> live_horizons_; // horizon -> live dropped activations
