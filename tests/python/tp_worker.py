@@ -48,6 +48,10 @@ SAVE_LIST = [
     aten.addmm.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 ]
+COLLECTIVES = [
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+]
 
 
 class RMSNorm(nn.Module):
@@ -194,12 +198,12 @@ def variant(name, model):
     regions = []
     if name == "none":
         return (lambda: None), regions
-    if name == "apply_sac, a policy per rank":
-        # Rank 0 keeps the matmuls, the others recompute everything.
+    if name.startswith("apply_sac, a policy per rank"):
+        # Rank 0 keeps the matmuls, the others recompute everything; with
+        # ", collectives saved", every rank saves the collectives' outputs.
         rank = dist.get_rank()
-        policy = (
-            torch_sac.policies.save_matmuls() if rank == 0 else torch_sac.policies.recompute_all()
-        )
+        saved = COLLECTIVES if name.endswith(", collectives saved") else []
+        policy = torch_sac.policies.save_ops((SAVE_LIST if rank == 0 else []) + saved)
         return torch_sac.apply_sac(model, policy).remove, regions
     if name.startswith("apply_sac "):
         policy = getattr(torch_sac.policies, name.split()[1])()
@@ -407,7 +411,11 @@ def run_case(case, mesh, rank):
     if case == "fsdp_tp":
         names = VARIANTS[:4]
     elif case == "tp_sp_policy_per_rank":
-        names = ("none", "apply_sac, a policy per rank")
+        names = (
+            "none",
+            "apply_sac, a policy per rank",
+            "apply_sac, a policy per rank, collectives saved",
+        )
     elif case == "tp_sp_dropin_first":
         # DTensor's caches cold: its first calls run sharding propagation
         # (FakeTensorMode) inside the drop-in's forward only.
@@ -429,7 +437,11 @@ def run_case(case, mesh, rank):
                 loss.backward()
         except RuntimeError as e:
             # Every rank runs the same ops, so every rank fails alike.
-            results[name] = {"error": str(e).splitlines()[0][:500]}
+            results[name] = {
+                "error": str(e).splitlines()[0][:1000],
+                # Nothing left installed by the failed step.
+                "in_region_after": torch_sac.region.in_region(),
+            }
             traceback.print_exc()  # the test shows the log of a failed rank
             continue
         finally:

@@ -32,12 +32,28 @@ at::Tensor all_reduce_max(const at::Tensor& t, const std::string& group) {
   return waited.back().toTensor();
 }
 
-// Group and pattern pairs this process has checked: each once.
-bool first_check(size_t key) {
-  static std::mutex mutex;
-  static std::unordered_set<size_t> checked;
-  std::lock_guard<std::mutex> lock(mutex);
-  return checked.insert(key).second;
+// Group and pattern pairs the ranks agreed on in this process: each is
+// checked until they do (every rank of the group fails alike, so every rank
+// checks again).
+class Agreed {
+ public:
+  bool contains(size_t key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return keys_.count(key) > 0;
+  }
+  void add(size_t key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    keys_.insert(key);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_set<size_t> keys_;
+};
+
+Agreed& agreed_patterns() {
+  static Agreed* const instance = new Agreed(); // leaked: used until exit
+  return *instance;
 }
 
 } // namespace
@@ -85,11 +101,10 @@ void CollectiveAgreement::note_dependent_pack(
 
 void CollectiveAgreement::check() const {
   for (const auto& [name, group] : groups_) {
-    if (name.empty() ||
-        !first_check(c10::hash_combine(std::hash<std::string>{}(name), group.pattern))) {
+    const size_t key = c10::hash_combine(std::hash<std::string>{}(name), group.pattern);
+    if (name.empty() || agreed_patterns().contains(key)) {
       continue;
-    }
-    // Equal on every rank iff the max of h and of ~h is this rank's own.
+    }    // Equal on every rank iff the max of h and of ~h is this rank's own.
     const auto h = static_cast<int64_t>(
         c10::hash_combine(group.decisions, dependent_packs_hash_) >> 1);
     at::Tensor mine = at::empty({2}, at::TensorOptions().dtype(at::kLong));
@@ -102,6 +117,7 @@ void CollectiveAgreement::check() const {
     }
     const int64_t* max = agreed.data_ptr<int64_t>();
     if (max[0] == h && max[1] == ~h) {
+      agreed_patterns().add(key);
       continue;
     }
     std::ostringstream recomputed;

@@ -8,10 +8,12 @@
 // recomputed the same collectives in forward. A policy or plan that differs
 // per rank would leave one rank waiting in a collective the others never
 // run, or replaying them at other points of backward than the others. So
-// the first time a region runs a given sequence of collectives on a process
-// group, the ranks of that group compare which collectives they recompute
-// and which dropped tensors need them (one small all-reduce), and all of
-// them raise if that differs.
+// when a region closes after running a sequence of collectives on a process
+// group that its ranks have not yet agreed on in this process, the ranks
+// compare which collectives they recompute and which dropped tensors need
+// them (one small all-reduce), and all of them raise if that differs. A
+// policy whose decisions on such a region change later on some ranks only
+// is not caught.
 //
 // Part of Region (region.h): noted while recording, checked on close().
 
@@ -44,9 +46,9 @@ class CollectiveAgreement {
   // and its rebuild may replay `collectives`: backward replays them at the
   // first unpack of such a tensor, so the ranks must drop the same ones.
   void note_dependent_pack(int64_t pack_index, const std::vector<EntryId>& collectives);
-  // Once per process for each group and sequence of collectives: the ranks
-  // of the group compare what they recompute. Raises on every rank of the
-  // group when they differ. Runs collectives: call it without the region's
+  // For each group and sequence of collectives, until the ranks of the
+  // group have agreed once in this process: they compare what they
+  // recompute and drop. Raises on every rank of the group when it differs. Runs collectives: call it without the region's
   // mutex.
   void check() const;
 
