@@ -205,6 +205,29 @@ def variant(name, model):
         saved = COLLECTIVES if name.endswith(", collectives saved") else []
         policy = torch_sac.policies.save_ops((SAVE_LIST if rank == 0 else []) + saved)
         return torch_sac.apply_sac(model, policy).remove, regions
+    if name == "apply_sac recompute_all, rank 0 holds the linears' inputs":
+        # Rank 0 keeps every linear's input alive (sequence parallel's
+        # all-gathered block inputs among them): its unpacks of them are
+        # served from the originals, rank 1's are rebuilt, replaying the
+        # all-gathers. The ranks' replays must still run the same
+        # collectives at the same points of backward.
+        held = []
+        hooks = []
+        if dist.get_rank() == 0:
+            for module in model.layers.modules():
+                if isinstance(module, nn.Linear):
+                    hooks.append(
+                        module.register_forward_pre_hook(lambda m, args: held.append(args[0]))
+                    )
+        handle = torch_sac.apply_sac(model, torch_sac.policies.recompute_all())
+
+        def undo():
+            handle.remove()
+            for h in hooks:
+                h.remove()
+            held.clear()
+
+        return undo, regions
     if name.startswith("apply_sac "):
         policy = getattr(torch_sac.policies, name.split()[1])()
         handle = torch_sac.apply_sac(model, policy)
@@ -245,6 +268,7 @@ VARIANTS = (
     "torch SAC, op list",
     "torch_sac drop-in, op list",
     "torch.utils.checkpoint per block",
+    "apply_sac recompute_all, rank 0 holds the linears' inputs",
 )
 
 
