@@ -104,7 +104,8 @@ void CollectiveAgreement::check() const {
     const size_t key = c10::hash_combine(std::hash<std::string>{}(name), group.pattern);
     if (name.empty() || agreed_patterns().contains(key)) {
       continue;
-    }    // Equal on every rank iff the max of h and of ~h is this rank's own.
+    }
+    // Equal on every rank iff the max of h and of ~h is this rank's own.
     const auto h = static_cast<int64_t>(
         c10::hash_combine(group.decisions, dependent_packs_hash_) >> 1);
     at::Tensor mine = at::empty({2}, at::TensorOptions().dtype(at::kLong));

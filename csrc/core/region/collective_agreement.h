@@ -48,8 +48,8 @@ class CollectiveAgreement {
   void note_dependent_pack(int64_t pack_index, const std::vector<EntryId>& collectives);
   // For each group and sequence of collectives, until the ranks of the
   // group have agreed once in this process: they compare what they
-  // recompute and drop. Raises on every rank of the group when it differs. Runs collectives: call it without the region's
-  // mutex.
+  // recompute and drop. Raises on every rank of the group when it
+  // differs. Runs collectives: call it without the region's mutex.
   void check() const;
 
  private:
