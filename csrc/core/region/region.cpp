@@ -118,6 +118,7 @@ void Region::release_unneeded_entries() {
     // Nothing can replay: the tape goes; the stats and op summary stay.
     tape_.clear();
     storages_.clear();
+    pin_readers_.clear();
     return;
   }
   tape_.release_from(static_cast<size_t>(storages_.latest_horizon()));

@@ -226,6 +226,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // only on the order of unpacks, the same on every rank, never on what is
   // still alive.
   void replay_collectives_for(const SavedActivation& saved);
+  // After a rebuild: a pinned storage whose every replayable reader has its
+  // outputs held already (strong memos of unmutated storages) can only be
+  // reached through them, so they are pinned instead and it is let go,
+  // when they hold no more bytes than it. DTensor's all-gather buffer gives
+  // way to the tensor its redistribution assembles from it, a
+  // reduce-scatter's output to the residual sum it feeds. Returns the
+  // storages let go of. Also called inside a replay, as memos are made.
+  std::vector<StorageId> move_pins_downstream();
+  // The replayable entries reading `storage` (found once, cached).
+  const std::vector<EntryId>& readers_of(StorageId storage);
   // materialize(), with the storage restorer's end (FSDP2) after it.
   c10::Storage materialize_restoring(StorageId storage, StateId state, ScopeId scope);
 
@@ -273,7 +283,8 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   const bool records_;
   bool open_ = true;
   RegionStats stats_;
-  std::map<std::string, std::pair<int64_t, int64_t>> kept_as_is_; // kept_as_is()
+  std::unordered_map<StorageId, std::vector<EntryId>> pin_readers_; // readers_of()
+  std::map<std::string, std::pair<int64_t, int64_t>> kept_as_is_;   // kept_as_is()
   // The parts (declared before the planner, which refers to them).
   Tape tape_;              // what forward recorded (tape.h)
   StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)

@@ -120,6 +120,7 @@ at::Tensor Region::rebuild(const SavedActivation& saved) {
   const c10::Storage base = materialize_restoring(saved.storage, saved.state, saved.scope);
   at::Tensor result = saved.geometry.view_of(base);
   result.unsafeGetTensorImpl()->set_version_counter(record.memo.version());
+  move_pins_downstream();
   storages_.release_memos();
   return result;
 }
@@ -153,6 +154,71 @@ void Region::replay_collectives_for(const SavedActivation& saved) {
   }
 }
 
+const std::vector<EntryId>& Region::readers_of(StorageId storage) {
+  auto [it, inserted] = pin_readers_.try_emplace(storage);
+  if (inserted) {
+    const EntryId producer = storages_[storage].producer;
+    for (size_t e = producer.valid() ? producer.index() + 1 : 0; e < tape_.entries.size(); ++e) {
+      for (const ArgSlot& slot : tape_.entries[EntryId::at(e)].slots) {
+        if (slot.storage == storage) {
+          it->second.push_back(EntryId::at(e));
+          break;
+        }
+      }
+    }
+  }
+  return it->second;
+}
+
+std::vector<StorageId> Region::move_pins_downstream() {
+  std::vector<StorageId> moved;
+  // A copy: pinning appends to the list.
+  const std::vector<StorageId> pinned = storages_.pinned();
+  for (StorageId from : pinned) {
+    const StorageRecord& record = storages_[from];
+    if (record.pin_moved || record.live_refs > 0 || !record.memo.strong()) {
+      continue; // moved already, or saved for backward itself
+    }
+    std::vector<StorageId> targets;
+    int64_t bytes = 0;
+    bool covered = true;
+    for (EntryId reader : readers_of(from)) {
+      const Entry& entry = tape_.entries[reader];
+      if (!entry.replayable) {
+        continue; // released (past every live horizon): never replayed again
+      }
+      if (!entry.writes.empty()) {
+        covered = false; // what it writes would need `from` too
+        break;
+      }
+      for (const auto& [position, out] : entry.produced) {
+        const StorageRecord& made = storages_[out];
+        if (made.pinned || std::find(targets.begin(), targets.end(), out) != targets.end()) {
+          continue;
+        }
+        if (!made.mutations.empty() || !made.memo.strong() || !made.memo.at_state(StateId(0))) {
+          covered = false;
+          break;
+        }
+        bytes += made.nbytes;
+        targets.push_back(out);
+      }
+      if (!covered) {
+        break;
+      }
+    }
+    if (!covered || bytes > record.nbytes) {
+      continue;
+    }
+    for (StorageId s : targets) {
+      storages_.pin_memo(s);
+    }
+    storages_.move_pin(from);
+    moved.push_back(from);
+  }
+  return moved;
+}
+
 void Region::start_new_pass() {
   storages_.start_new_pass();
   planner_.start_new_pass();
@@ -162,7 +228,7 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
   if (c10::Storage memo = storages_[storage].memo.at_state(state)) {
     return memo;
   }
-  const ReplayPlan plan = planner_.plan(storage, state);
+  ReplayPlan plan = planner_.plan(storage, state);
   // The last plan entry that uses each rebuilt storage.
   std::unordered_map<StorageId, EntryId> last_use;
   for (EntryId e : plan.entries) {
@@ -244,17 +310,28 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
     }
     // Intermediates past their last use go now; ones autograd will unpack
     // later in this backward stay as memos.
+    bool memoised = false;
     for (auto it = working.begin(); it != working.end();) {
       const StorageId s = it->first;
       if (s != storage && last_use.at(s) == e) {
         if (may_keep(s, it->second.second)) {
           storages_.memoise(s, it->second.first, it->second.second);
+          memoised = true;
         } else if (storages_.worth_memoising(s, it->second.second)) {
           ++stats_.memos_skipped;
         }
         it = working.erase(it);
       } else {
         ++it;
+      }
+    }
+    if (memoised && !storages_.pinned().empty()) {
+      // A pin moved now frees its storage now, not when the plan ends.
+      for (StorageId moved : move_pins_downstream()) {
+        plan.memos.erase(moved);
+        if (moved != storage) {
+          working.erase(moved);
+        }
       }
     }
   }

@@ -1,5 +1,7 @@
 #include "csrc/core/region/storage_table.h"
 
+#include <c10/util/Exception.h>
+
 #include "csrc/core/region/stream_sync.h"
 #include "csrc/core/tensor_version.h"
 
@@ -100,6 +102,22 @@ void StorageTable::pin(StorageId storage, const at::Tensor& t) {
   }
 }
 
+void StorageTable::pin_memo(StorageId storage) {
+  StorageRecord& record = records_[storage];
+  TORCH_INTERNAL_ASSERT(
+      record.memo.strong(), "torch_sac: pinning a storage the region does not hold");
+  if (!record.pinned) {
+    record.pinned = true;
+    pinned_.push_back(storage);
+  }
+}
+
+void StorageTable::move_pin(StorageId from) {
+  StorageRecord& record = records_[from];
+  record.pin_moved = true;
+  record.memo.clear(); // release_memos() forgets it
+}
+
 void StorageTable::unpin_from(EntryId horizon) {
   size_t kept = 0;
   for (StorageId s : pinned_) {
@@ -109,6 +127,7 @@ void StorageTable::unpin_from(EntryId horizon) {
       continue;
     }
     record.pinned = false;
+    record.pin_moved = false;
     record.memo.clear(); // not weakened: a weak copy would be liveness again
   }
   pinned_.resize(kept);
@@ -118,6 +137,7 @@ void StorageTable::unpin_from(EntryId horizon) {
 void StorageTable::unpin_all() {
   for (StorageId s : pinned_) {
     records_[s].pinned = false;
+    records_[s].pin_moved = false;
     records_[s].memo.clear();
   }
   pinned_.clear();
@@ -165,6 +185,7 @@ void StorageTable::start_new_pass() {
   memoised_.clear();
   for (StorageId s : pinned_) {
     records_[s].pinned = false;
+    records_[s].pin_moved = false;
   }
   pinned_.clear();
 }

@@ -59,6 +59,10 @@ struct StorageRecord {
   // it (pin()).
   std::vector<EntryId> collective_deps;
   bool pinned = false;
+  // Pinned, but the bytes held moved to what its readers made
+  // (Region::move_pins_downstream): a collective's output still counts as
+  // replayed in this pass, without being held.
+  bool pin_moved = false;
   // Scopes other than the producer's whose entries read it (nested
   // regions only): a rebuild keeps it for those scopes' backward.
   std::vector<ScopeId> reader_scopes;
@@ -111,6 +115,13 @@ class StorageTable {
   // collection differs between ranks), or the ranks' replays fall out of
   // step (collective_agreement.h).
   void pin(StorageId storage, const at::Tensor& t);
+  // Pins the strong memo `storage` holds, and lets go of what `from` holds
+  // while it stays pinned (StorageRecord::pin_moved).
+  void pin_memo(StorageId storage);
+  void move_pin(StorageId from);
+  const std::vector<StorageId>& pinned() const {
+    return pinned_;
+  }
   // Lets go of the pins of collectives at or past `horizon` in the tape (no
   // live dropped activation can replay them), or of all.
   void unpin_from(EntryId horizon);
