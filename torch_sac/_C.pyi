@@ -24,7 +24,8 @@ _TensorKey = tuple[str, int, int]
 # torch_sac.RebuildStep.
 _RebuildStep = tuple[_TensorKey, Sequence[_TensorKey], Sequence[_TensorKey]]
 # One op_details() row: op, saved, dropped, replayed, saved_bytes,
-# dropped_bytes, replay_ns (int) and replays_by_call (list[int]).
+# dropped_bytes, replay_ns, offloaded, offloaded_bytes, kept_anyway,
+# kept_anyway_bytes (int), replays_by_call (list[int]) and kept_why (str).
 _OpDetailsRow = dict[str, Any]
 
 # pyproject.toml's version, compiled in by CMake (TORCH_SAC_VERSION); the

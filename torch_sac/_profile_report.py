@@ -34,7 +34,12 @@ def format_table(data, max_rows, sort_by):
     rows = [
         r
         for r in data["ops"]
-        if r["saved"] or r["dropped"] or r["replayed"] or r.get("copy_ns") or r.get("waited_ns")
+        if r["saved"]
+        or r["dropped"]
+        or r["replayed"]
+        or r.get("copy_ns")
+        or r.get("waited_ns")
+        or r.get("kept_anyway")
     ]
     hidden = len(data["ops"]) - len(rows)
     keys = {
@@ -60,6 +65,10 @@ def format_table(data, max_rows, sort_by):
         )
         header = ["op", "saved", "dropped", "kept", "dropped", "replayed"]
         units = ["", "calls", "calls", "bytes", "bytes", ""]
+        kept_anyway = [r for r in data["ops"] if r.get("kept_anyway")]
+        if kept_anyway:
+            header[5:5] = ["kept anyway"]
+            units[5:5] = ["bytes"]
         if offloads:
             header[3:3] = ["offloaded", "offloaded", "copies", "waited"]
             units[3:3] = ["calls", "bytes", "", "(exposed)"]
@@ -82,6 +91,8 @@ def format_table(data, max_rows, sort_by):
                 format_bytes(r["dropped_bytes"]),
                 str(r["replayed"]),
             ]
+            if kept_anyway:
+                cells[5:5] = [format_bytes(r.get("kept_anyway_bytes", 0))]
             if offloads:
                 cells[3:3] = [
                     str(r["offloaded"]),
@@ -104,6 +115,7 @@ def format_table(data, max_rows, sort_by):
             "dropped": t["dropped_ops"],
             "saved_bytes": t["saved_bytes"],
             "dropped_bytes": t["dropped_bytes"],
+            "kept_anyway_bytes": sum(r.get("kept_anyway_bytes", 0) for r in data["ops"]),
             "offloaded": t.get("offloaded_ops", 0),
             "offloaded_bytes": t.get("offloaded_bytes", 0),
             "copy_ns": sum(r.get("copy_ns", 0) for r in data["ops"]),
@@ -131,6 +143,12 @@ def format_table(data, max_rows, sort_by):
             )
         if notes:
             lines.append("(" + "; ".join(notes) + ")")
+        for r in kept_anyway:
+            lines.append(
+                f"kept anyway: {r['op']}: {r['kept_anyway']} saved tensors, "
+                f"{format_bytes(r['kept_anyway_bytes'])}, that the policy would recompute: "
+                f"{r['kept_why']}"
+            )
     lines.append(
         f"memory:  activations {format_bytes(t['activation_bytes'])} (allocated in forward, "
         f"still live at its end{'' if t['activation_bytes'] is not None else ': forward end unknown, call end_forward()'}), "

@@ -64,7 +64,9 @@ class SacHandle:
         """``{name: rows}``: each module's per-op rows of its last forward, as
         ``sac_context.op_details()`` gives them for both engines (a dict per
         op overload: ``op``, ``saved``, ``dropped``, ``saved_bytes``,
-        ``dropped_bytes``, ``replayed``, ``replay_ns``, ``replays_by_call``;
+        ``dropped_bytes``, ``replayed``, ``replay_ns``, ``replays_by_call``,
+        ``offloaded``, ``offloaded_bytes``, ``kept_anyway``,
+        ``kept_anyway_bytes``, ``kept_why``;
         for ``engine="dropin"`` replays are the calls recompute re-ran)."""
         return {name: ctx.op_details() for name, ctx in self._last.items()}
 

@@ -53,6 +53,8 @@ _OP_FIELDS = (
     "replay_ns",
     "offloaded",
     "offloaded_bytes",
+    "kept_anyway",
+    "kept_anyway_bytes",
 )
 # The offload runtime's counters a profile reports (torch_sac.offload.stats()),
 # as what changed during the profile; peaks since its start.
@@ -571,6 +573,7 @@ class profile:
                 row = ops.setdefault(d["op"], _empty_row(d["op"]))
                 for k in _OP_FIELDS:
                     row[k] += d[k]
+                row["kept_why"] = row["kept_why"] or d.get("kept_why", "")
                 row["most_replays"] = max(row["most_replays"], max(d.get("replays_by_call") or [0]))
                 flops = calls.get(d["op"], [])
                 row["forward_calls"] += len(flops)
@@ -865,7 +868,7 @@ class profile:
 
 
 def _empty_row(op):
-    row = {"op": op}
+    row = {"op": op, "kept_why": ""}
     row.update({k: 0 for k in _OP_FIELDS + _COPY_FIELDS})
     row.update(
         {
@@ -909,16 +912,18 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` in the current :data:`FORMAT`: an older profile's engine
     names mapped to today's (a copy; a current one is returned as is)."""
     renames = _OLD_FORMATS.get(data.get("format"))
-    if renames is None and all("waited_ns" in r for r in data.get("ops", [])):
+    if renames is None and all(
+        "waited_ns" in r and "kept_anyway" in r for r in data.get("ops", [])
+    ):
         return data
-    # Written before offloading existed (nothing was offloaded), or before
-    # copies were timed (no copy time known).
+    # Written before offloading existed (nothing was offloaded), before
+    # copies were timed (no copy time known), or before ops kept anyway were
+    # itemised.
+    defaults = {"offloaded": 0, "offloaded_bytes": 0, "copy_ns": 0, "waited_ns": 0}
+    defaults.update(kept_anyway=0, kept_anyway_bytes=0, kept_why="")
     data = {
         **data,
-        "ops": [
-            {"offloaded": 0, "offloaded_bytes": 0, "copy_ns": 0, "waited_ns": 0, **r}
-            for r in data.get("ops", [])
-        ],
+        "ops": [{**defaults, **r} for r in data.get("ops", [])],
         "totals": {"offload": None, **data.get("totals", {})},
     }
     if renames is None:

@@ -22,21 +22,36 @@ in_region = _state.in_region
 _observers = _state.observers
 
 
-def _warn_kept_as_is(region):
-    """One warning per region that kept saved tensors it cannot rebuild:
-    what would be dropped is not, and nothing else says so."""
+def _warn_kept(region):
+    """One warning per region that kept saved tensors its policy would drop:
+    of a kind it cannot rebuild, or made or written by ops it cannot replay.
+    What would be dropped is not, and nothing else says so."""
     kinds = region.kept_as_is()
-    if not kinds:
+    ops = [r for r in region.op_details() if r["kept_anyway"]]
+    if not kinds and not ops:
         return
-    count = sum(n for n, _ in kinds.values())
-    nbytes = sum(b for _, b in kinds.values())
-    which = ", ".join(f"{kind} ({n})" for kind, (n, _) in kinds.items())
+    causes = []
+    if kinds:
+        which = ", ".join(f"{kind} ({n})" for kind, (n, _) in kinds.items())
+        causes.append(
+            f"{sum(n for n, _ in kinds.values())} tensors "
+            f"({sum(b for _, b in kinds.values())} bytes) of a kind it cannot rebuild: {which} "
+            "(make a tensor subclass traceable: __tensor_flatten__ and __tensor_unflatten__)"
+        )
+    if ops:
+        which = ", ".join(
+            f"{r['op']} ({r['kept_anyway']}, {r['kept_anyway_bytes']} bytes: {r['kept_why']})"
+            for r in ops
+        )
+        causes.append(
+            f"tensors made or written by ops it cannot replay: {which} (use functional "
+            "collectives, torch.distributed._functional_collectives, and out-of-place ops)"
+        )
     warnings.warn(
-        f"torch_sac.sac_context: this region kept {count} tensors autograd saved ({nbytes} "
-        f"bytes) as they are, since it cannot rebuild their kind: {which}. The policy's "
-        "RECOMPUTE does not apply to them. To let a region drop them, make a tensor subclass "
-        "traceable (__tensor_flatten__ and __tensor_unflatten__), or checkpoint that code "
-        "with torch.utils.checkpoint; sac_context.kept_as_is() lists them.",
+        "torch_sac.sac_context: this region kept tensors autograd saved that its policy would "
+        "recompute: " + "; ".join(causes) + ". Or checkpoint that code with "
+        "torch.utils.checkpoint. sac_context.kept_as_is() and op_details() (kept_anyway, "
+        "kept_why) list them.",
         stacklevel=3,
     )
 
@@ -232,7 +247,7 @@ class sac_context:
         if error is not None:
             raise error
         if self._owner and exc_type is None:
-            _warn_kept_as_is(self._region)
+            _warn_kept(self._region)
         return False
 
     def _undo(self):
@@ -293,7 +308,12 @@ class sac_context:
         """Per op overload, first-seen order: a dict with ``op``, ``saved``,
         ``dropped`` (calls whose new outputs were kept or dropped),
         ``saved_bytes``, ``dropped_bytes`` (their storage bytes), ``replayed``
-        and ``replay_ns`` (replays in backward and their time)."""
+        and ``replay_ns`` (replays in backward and their time), and
+        ``kept_anyway``, ``kept_anyway_bytes``, ``kept_why``: tensors autograd
+        saved from what the op made or wrote that the region kept although
+        the policy would recompute them, since it cannot replay the op, and
+        why (a collective other than a functional one, a write to a list of
+        tensors, a tensor kind it cannot rebuild)."""
         self._check_used("op_details")
         return self._region.op_details()
 

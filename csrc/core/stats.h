@@ -144,6 +144,12 @@ struct RegionOpSummary {
   std::vector<int64_t> replays_by_call; // replays of each forward call, by call index
   int64_t offloaded = 0;                // calls whose new outputs were offloaded to host memory
   int64_t offloaded_bytes = 0;
+  // Tensors autograd saved from what it made or wrote that the region kept
+  // although the policy would recompute it: it cannot replay the op
+  // (`kept_why`); their storage bytes.
+  int64_t kept_anyway = 0;
+  int64_t kept_anyway_bytes = 0;
+  std::string kept_why;
 };
 
 } // namespace region

@@ -5,13 +5,39 @@
 #include <string_view>
 
 namespace torch_sac {
+namespace {
+
+// Whether an argument of this type may hold a tensor (Tensor, Tensor?,
+// Tensor[], Tensor[][]).
+bool holds_tensors(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) {
+    return true;
+  }
+  if (const auto optional = type->cast<c10::OptionalType>()) {
+    return holds_tensors(optional->getElementType());
+  }
+  if (const auto list = type->cast<c10::ListType>()) {
+    return holds_tensors(list->getElementType());
+  }
+  return false;
+}
+
+} // namespace
 
 std::vector<size_t> written_args(const c10::OperatorHandle& op) {
   const auto& schema = op.schema();
   std::vector<size_t> written;
+  // c10d's collectives write their tensors in place (all_reduce, broadcast,
+  // the outputs of all_gather and reduce_scatter, recv) but their schemas
+  // say so nowhere: every tensor argument counts as written. Otherwise a
+  // region rebuilt `y` after `dist.all_reduce(y)` without the reduction
+  // (Megatron-style tensor parallel does this in forward): wrong gradients
+  // on more than one rank.
+  const bool c10d = op.operator_name().name.rfind("c10d::", 0) == 0;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
-    const auto& alias = schema.arguments()[i].alias_info();
-    if (alias && alias->isWrite()) {
+    const auto& arg = schema.arguments()[i];
+    const auto& alias = arg.alias_info();
+    if ((alias && alias->isWrite()) || (c10d && holds_tensors(arg.type()))) {
       written.push_back(i);
     }
   }

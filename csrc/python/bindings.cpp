@@ -40,6 +40,9 @@ py::dict op_details_row(const region::RegionOpSummary& s) {
   d["replays_by_call"] = s.replays_by_call;
   d["offloaded"] = s.offloaded;
   d["offloaded_bytes"] = s.offloaded_bytes;
+  d["kept_anyway"] = s.kept_anyway;
+  d["kept_anyway_bytes"] = s.kept_anyway_bytes;
+  d["kept_why"] = s.kept_why;
   return d;
 }
 

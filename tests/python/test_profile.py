@@ -476,7 +476,7 @@ def test_apply_sac_op_details_and_profile_rows(engine):
     summed = {}
     for rows in details.values():
         for d in rows:
-            assert set(d) == {"op", "replays_by_call", *_OP_FIELDS}
+            assert set(d) == {"op", "replays_by_call", "kept_why", *_OP_FIELDS}
             row = summed.setdefault(d["op"], dict.fromkeys(_OP_FIELDS, 0))
             for k in _OP_FIELDS:
                 row[k] += d[k]
@@ -755,3 +755,30 @@ def test_retained_counts_only_allocations_made_in_the_block():
     assert m.retained == 4096, m.retained
     assert m.delta == 4096 - (1 << 20)
     del kept
+
+
+def test_the_table_shows_what_ops_the_region_cannot_replay_kept():
+    """Per op, the bytes kept against the policy's word and why: a column
+    and a line per op; old profiles read back without them."""
+    x = torch.randn(64, 64, requires_grad=True)
+    prof = torch_sac.profile()
+    with prof, pytest.warns(UserWarning, match="cannot replay"):
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()):
+            a, b = x * 2, x * 3
+            torch._foreach_mul_([a, b], 2.0)
+            out = (a.sin() + b.cos()).sum()
+        out.backward()
+    row = next(r for r in prof.to_dict()["ops"] if r["op"] == "aten::_foreach_mul_.Scalar")
+    assert row["kept_anyway"] == 2 and row["kept_anyway_bytes"] == 2 * x.nbytes
+    assert row["kept_why"] == "it writes a list of tensors"
+    text = prof.table()
+    assert "kept anyway" in text
+    assert (
+        "kept anyway: aten::_foreach_mul_.Scalar: 2 saved tensors, 32.0 KiB, that the policy "
+        "would recompute: it writes a list of tensors" in text
+    )
+    old = prof.to_dict()
+    for r in old["ops"]:
+        del r["kept_anyway"], r["kept_anyway_bytes"], r["kept_why"]
+    again = torch_sac.profile.from_dict(old)
+    assert "kept anyway" not in again.table()

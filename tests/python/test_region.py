@@ -1879,3 +1879,59 @@ def test_activations_freed_by_a_replayed_kernel_do_not_hang():
     assert _drop_during_replay["graphs"] == []
     assert_tensors_equal(result["grad"], ref, "x.grad")
     assert ctx.stats()["replayed_ops"] > 0
+
+
+# --------------------------------------------------------------------------
+# Ops the region cannot replay: kept anyway, itemised, said once
+# --------------------------------------------------------------------------
+
+FOREACH = "aten::_foreach_mul_.Scalar"
+
+
+def _writes_a_list(x):
+    a, b = x * 2, x * 3
+    torch._foreach_mul_([a, b], 2.0)  # a list write: not replayed
+    return (a.sin() + b.cos() + (x * 4).tanh()).sum()
+
+
+def test_what_ops_the_region_cannot_replay_made_is_kept_itemised_and_said_once():
+    """The policy recomputes everything, but a, b were written by an op the
+    region does not replay (a list write): sin and cos keep them. Exact;
+    op_details names the op, the tensors and bytes kept and why; one
+    warning for the region says so and what to do."""
+    x = torch.randn(64, 64)
+    ref = x.clone().requires_grad_()
+    _writes_a_list(ref).backward()
+    got = x.clone().requires_grad_()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+            out = _writes_a_list(got)
+    out.backward()
+    assert torch.equal(got.grad, ref.grad)
+    said = [str(w.message) for w in said if "cannot replay" in str(w.message)]
+    assert len(said) == 1, said
+    assert FOREACH in said[0] and "it writes a list of tensors" in said[0], said[0]
+    assert "out-of-place ops" in said[0], said[0]
+    rows = {r["op"]: r for r in region.op_details()}
+    assert rows[FOREACH]["kept_anyway"] == 2  # a for sin, b for cos
+    assert rows[FOREACH]["kept_anyway_bytes"] == 2 * x.nbytes
+    assert rows[FOREACH]["kept_why"] == "it writes a list of tensors"
+    others = [r for op, r in rows.items() if op != FOREACH]
+    assert all(r["kept_anyway"] == 0 and r["kept_why"] == "" for r in others), others
+
+
+def test_an_op_the_policy_keeps_is_not_kept_anyway(recwarn):
+    """Nothing to say when the policy keeps what the op made: it is not
+    kept against the policy's word."""
+    x = torch.randn(64, 64, requires_grad=True)
+    keep = torch_sac.policies.save_ops(
+        [torch.ops.aten._foreach_mul_.Scalar, torch.ops.aten.mul.Tensor]
+    )
+    with torch_sac.sac_context(keep) as region:
+        out = _writes_a_list(x)
+    out.backward()
+    assert all(r["kept_anyway"] == 0 for r in region.op_details())
+    assert not [w for w in recwarn if "cannot replay" in str(w.message)]

@@ -44,6 +44,7 @@ WORLD = {
     "tp_sp_dropin_first": 2,
     "plans": 2,
     "fsdp_tp_plans": 4,
+    "c10d_in_place": 2,
     "tp_sp_policy_per_rank": 2,
 }
 # The whole run takes ~15 s on 2 cores; this bounds a hang.
@@ -318,3 +319,55 @@ print("ok")
     run = run_isolated(code)
     assert run.status == "ok", run.stderr[-3000:]
     assert run.stdout.startswith("ok")
+
+
+def test_a_collective_the_region_does_not_replay_is_kept_itemised_and_said():
+    """c10d's in-place all_reduce (not a functional collective) on a tensor
+    made in the region: the region never replays it, so what it wrote is
+    kept where autograd saves it, exact, and op_details and the region's
+    one warning say which op and why."""
+    code = """
+import contextlib, warnings, torch, torch_sac, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+def step(ctx):
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with ctx as region:
+        y = x * 2
+        dist.all_reduce(y)
+        out = y.sin().sum()
+    out.backward()
+    return x.grad, region
+
+want, _ = step(contextlib.nullcontext())
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    got, region = step(torch_sac.sac_context(torch_sac.policies.recompute_all()))
+assert torch.equal(got, want)
+rows = [r for r in region.op_details() if r["kept_anyway"]]
+assert len(rows) == 1 and rows[0]["op"].startswith("c10d::allreduce"), rows
+assert rows[0]["kept_anyway_bytes"] == 64 * 256 * 4, rows
+assert "collective the region does not replay" in rows[0]["kept_why"], rows
+said = [str(w.message) for w in said if "cannot replay" in str(w.message)]
+assert len(said) == 1 and "functional collectives" in said[0], said
+print("ok")
+dist.destroy_process_group()
+"""
+    run = run_isolated(code)
+    assert run.status == "ok", run.stderr[-3000:]
+    assert run.stdout.startswith("ok")
+
+
+def test_in_place_collectives_in_forward_are_exact(tmp_path_factory):
+    """Megatron-style tensor parallel reduces partial sums with c10d's
+    in-place all_reduce in forward. The region took the reduced tensor for
+    one it could rebuild from the op that made it, and rebuilt it without
+    the reduction: wrong gradients on 2 ranks (c10d's schemas say nothing
+    of their writes). Now every tensor a c10d collective is passed counts
+    as written: kept, itemised, and exact under every entry point."""
+    for rank, results in enumerate(_run("c10d_in_place", tmp_path_factory)):
+        for name, row in results.items():
+            assert row["bitwise"], (rank, name, row)
+        kept = dict(results["sac_context"]["kept_anyway"])
+        assert kept == {"c10d::allreduce_.default": 2}, (rank, kept)

@@ -435,7 +435,68 @@ def run_plans(mesh, fsdp=False):
     return results
 
 
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron-style tensor parallel: the partial sums of a row-parallel
+    linear reduced in place with c10d's all_reduce in forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _in_place_collectives(x):
+    y = _ReduceFromTensorParallel.apply(x * 2)
+    z = y.sin() * 3
+    dist.all_reduce(z)  # on a tensor the region made, outside any Function
+    return z.cos().sum()
+
+
+def run_in_place_collectives(rank):
+    """c10d's in-place all_reduce in forward, under each entry point:
+    bitwise against no checkpointing (the region once rebuilt the reduced
+    tensors without the reduction), and what the collective wrote kept
+    anyway, itemised."""
+    variants = {
+        "sac_context": lambda f, x: _in_region(f, x),
+        "torch_sac.checkpoint": lambda f, x: torch_sac.checkpoint(
+            f, x, policy=torch_sac.policies.recompute_all()
+        ),
+        "drop-in": lambda f, x: tc.checkpoint(
+            f,
+            x,
+            use_reentrant=False,
+            context_fn=functools.partial(torch_sac.create_selective_checkpoint_contexts, []),
+        ),
+    }
+    regions = []
+
+    def _in_region(f, x):
+        with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+            regions.append(region)
+            return f(x)
+
+    def grad(run=None):
+        torch.manual_seed(10 + rank)  # each rank its own partial sums
+        x = torch.randn(16, 32, requires_grad=True)
+        out = _in_place_collectives(x) if run is None else run(_in_place_collectives, x)
+        out.backward()
+        return x.grad
+
+    want = grad()
+    results = {name: {"bitwise": torch.equal(grad(run), want)} for name, run in variants.items()}
+    rows = [r for r in regions[0].op_details() if r["kept_anyway"]]
+    results["sac_context"]["kept_anyway"] = [(r["op"], r["kept_anyway"]) for r in rows]
+    return results
+
+
 def run_case(case, mesh, rank):
+    if case == "c10d_in_place":
+        return run_in_place_collectives(rank)
     if case == "pp":
         return run_pipeline(rank, dist.get_world_size())
     if case in ("plans", "fsdp_tp_plans"):

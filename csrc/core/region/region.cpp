@@ -103,6 +103,7 @@ void Region::close() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     open_ = false;
+    unreplayable_by_.clear(); // packs come in forward only
     policies.swap(policies_);
     collectives = std::move(collectives_);
     release_unneeded_entries();
@@ -155,6 +156,76 @@ bool Region::recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs)
   }
   return (!facts.collective || facts.replayable_collective) && !writes_list &&
       first_unrecordable(inputs) == nullptr;
+}
+
+std::string Region::unrecordable_reason(
+    const OpFacts& facts,
+    c10::ArrayRef<c10::IValue> inputs,
+    c10::ArrayRef<c10::IValue> outputs) {
+  if (facts.collective && !facts.replayable_collective) {
+    return "a collective the region does not replay (only functional ones, "
+           "_c10d_functional::, are replayed)";
+  }
+  for (size_t i : facts.written_args) {
+    if (inputs[i].isTensorList() || inputs[i].isList()) {
+      return "it writes a list of tensors";
+    }
+  }
+  if (const char* kind = first_unrecordable(inputs)) {
+    return c10::str("it reads ", kind);
+  }
+  if (const char* kind = first_unrecordable(outputs)) {
+    return c10::str("it makes ", kind);
+  }
+  return "it cannot be recorded";
+}
+
+void Region::note_unreplayable(
+    int32_t op_index,
+    const OpFacts& facts,
+    c10::ArrayRef<c10::IValue> inputs,
+    c10::ArrayRef<c10::IValue> outputs,
+    const std::vector<StorageId>& written) {
+  auto note = [&](const c10::Storage& storage) {
+    unreplayable_by_.insert_or_assign(
+        storage.unsafeGetStorageImpl(), UnreplayableBy{storage.getWeakStorageImpl(), op_index});
+  };
+  for (const c10::IValue& out : outputs) {
+    for_each_tensor(out, [&](const at::Tensor& t) {
+      if (t.defined() && t.has_storage() && !storages_.find(t).valid()) {
+        note(t.storage());
+      }
+    });
+  }
+  for (StorageId s : written) {
+    if (c10::intrusive_ptr<c10::StorageImpl> alive = storages_[s].identity.lock()) {
+      note(c10::Storage(std::move(alive)));
+    }
+  }
+  OpInfo& info = tape_.ops[op_index];
+  if (info.kept_why.empty()) {
+    info.kept_why = unrecordable_reason(facts, inputs, outputs);
+  }
+}
+
+void Region::count_kept_anyway(const at::Tensor& t) {
+  if (unreplayable_by_.empty() || !t.defined() || !t.has_storage()) {
+    return;
+  }
+  auto it = unreplayable_by_.find(t.storage().unsafeGetStorageImpl());
+  if (it == unreplayable_by_.end()) {
+    return;
+  }
+  if (it->second.storage.expired()) { // freed, and the address reused
+    unreplayable_by_.erase(it);
+    return;
+  }
+  OpInfo& info = tape_.ops[it->second.op_index];
+  ++info.kept_anyway;
+  if (!it->second.counted) {
+    it->second.counted = true;
+    info.kept_anyway_bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
 }
 
 void Region::observe_inputs(c10::ArrayRef<c10::IValue> inputs) {
@@ -439,6 +510,9 @@ void Region::handle(
     for (StorageId s : writes.storages) {
       storages_[s].replayable = false;
     }
+    if (!is_kept(decision)) {
+      note_unreplayable(op_index, facts, inputs, outputs, writes.storages);
+    }
     tape_.entries.push_back(std::move(entry));
     return;
   }
@@ -557,6 +631,7 @@ SavedActivation Region::pack(const at::Tensor& t) {
     SavedActivation saved = keep(t);
     const int64_t bytes = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
     std::lock_guard<std::mutex> lock(mutex_);
+    count_kept_anyway(t);
     ++stats_.packed_kept;
     ++stats_.kept_as_is;
     stats_.kept_as_is_bytes += bytes;
@@ -609,6 +684,7 @@ SavedActivation Region::pack_locked(const at::Tensor& t) {
   if (!s.valid() || !storages_[s].replayable) {
     saved.kept = held_for_backward(t);
     ++stats_.packed_kept;
+    count_kept_anyway(t);
     return saved;
   }
   const std::vector<EntryId>& collectives = storages_[s].collective_deps;
@@ -709,7 +785,8 @@ std::vector<RegionOpSummary> Region::op_summary() const {
       rows.push_back(
           {info.facts->name, info.saved, info.dropped, info.replayed, info.saved_bytes,
            info.dropped_bytes, info.replay_ns, std::move(by_call), info.offloaded,
-           info.offloaded_bytes});
+           info.offloaded_bytes, info.kept_anyway, info.kept_anyway_bytes,
+           info.kept_anyway > 0 ? info.kept_why : std::string()});
     }
   }
   return rows;

@@ -182,6 +182,21 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // Whether the op can be recorded at all (a collective, a list write or a
   // tensor the region cannot rebuild: runs as if outside the region).
   static bool recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs);
+  // Why recordable() says no, in words for op_details' kept_why.
+  static std::string unrecordable_reason(
+      const OpFacts& facts,
+      c10::ArrayRef<c10::IValue> inputs,
+      c10::ArrayRef<c10::IValue> outputs);
+  // An op the policy would recompute ran unrecorded: what it made and wrote
+  // is kept whenever autograd saves it, and the packs say whose it is.
+  void note_unreplayable(
+      int32_t op_index,
+      const OpFacts& facts,
+      c10::ArrayRef<c10::IValue> inputs,
+      c10::ArrayRef<c10::IValue> outputs,
+      const std::vector<StorageId>& written);
+  // A pack kept `t`: counted against the op note_unreplayable named, if any.
+  void count_kept_anyway(const at::Tensor& t);
   // Inputs the region tracks are met again: notes writes it did not see.
   void observe_inputs(c10::ArrayRef<c10::IValue> inputs);
   // The storages the op writes; copies of the ones replay cannot rebuild,
@@ -285,6 +300,14 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   RegionStats stats_;
   std::unordered_map<StorageId, std::vector<EntryId>> pin_readers_; // readers_of()
   std::map<std::string, std::pair<int64_t, int64_t>> kept_as_is_;   // kept_as_is()
+  // Storages note_unreplayable saw, until close(): the op, and whether
+  // their bytes were counted yet (once per storage).
+  struct UnreplayableBy {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int32_t op_index;
+    bool counted = false;
+  };
+  std::unordered_map<const c10::StorageImpl*, UnreplayableBy> unreplayable_by_;
   // The parts (declared before the planner, which refers to them).
   Tape tape_;              // what forward recorded (tape.h)
   StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)

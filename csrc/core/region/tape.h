@@ -76,6 +76,9 @@ struct OpInfo {
   int64_t offloaded = 0; // calls whose new outputs the policy offloaded
   int64_t offloaded_bytes = 0;
   int64_t replay_ns = 0;
+  int64_t kept_anyway = 0; // RegionOpSummary::kept_anyway, kept_anyway_bytes, kept_why
+  int64_t kept_anyway_bytes = 0;
+  std::string kept_why;
   std::vector<int64_t> replays_by_call;
   std::vector<int64_t> saved_calls; // call indices whose new outputs were kept
 };
