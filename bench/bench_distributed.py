@@ -877,6 +877,11 @@ def _targets(out):
             detail = (
                 f"refused: least peak {_mib(least) if least else '?'} > asked {_mib(info['asked'])}"
             )
+            # Whether any way of checkpointing measured here reaches the ask.
+            peaks = [(r["peak"], rid) for rid, r in rec["results"].items() if "peak" in r]
+            if peaks and min(peaks)[0] > info["asked"]:
+                lowest, rid = min(peaks)
+                detail += f"; no row reaches it either (least: {rid} at {_mib(lowest)})"
             check(what, rec["rank"], False, detail)
         elif "failed" in info or "error" in plan:
             check(
