@@ -26,6 +26,7 @@ imports the trainer's data stack). Measured 2026-12-06 (torch 2.13.0+cpu):
 docs/distributed-compile.md, "torchtitan's own model".
 """
 
+import gc
 import json
 import os
 import socket
@@ -287,6 +288,11 @@ def rank_main(rank, port, backend, out):
             elif v == "sac_save_matmuls":
                 handle = torch_sac.apply_sac(model, torch_sac.policies.save_matmuls())
             inputs, labs, extra = prep_inputs(model)
+            # The earlier variants' models and graphs go first, and no
+            # collection runs inside the window: one freeing them there
+            # lowered a later variant's measured peak by up to 9 MiB.
+            gc.collect()
+            gc.disable()
             with train_context():
                 with torch_sac.memory.track() as mpeak:
                     with torch_sac.memory.track() as mfwd:
@@ -330,6 +336,8 @@ def rank_main(rank, port, backend, out):
             del model
         except Exception:
             results[v] = {"error": traceback.format_exc()}
+        finally:
+            gc.enable()
         dump()
         dist.barrier()
     dump()
