@@ -43,9 +43,21 @@ def _warn_kept(region):
             f"{r['op']} ({r['kept_anyway']}, {r['kept_anyway_bytes']} bytes: {r['kept_why']})"
             for r in ops
         )
+        whys = " ".join(r["kept_why"] for r in ops)
+        fixes = [
+            fix
+            for cue, fix in (
+                (
+                    "collective",
+                    "functional collectives (torch.distributed._functional_collectives)",
+                ),
+                ("list of tensors", "out-of-place ops"),
+            )
+            if cue in whys
+        ]
         causes.append(
-            f"tensors made or written by ops it cannot replay: {which} (use functional "
-            "collectives, torch.distributed._functional_collectives, and out-of-place ops)"
+            f"tensors made or written by ops it cannot replay: {which}"
+            + (f" (use {' and '.join(fixes)})" if fixes else "")
         )
     warnings.warn(
         "torch_sac.sac_context: this region kept tensors autograd saved that its policy would "
