@@ -141,7 +141,7 @@ struct Region::Writes {
   bool may_replay = false;              // a replay may run it: it makes or writes replayable
 };
 
-bool Region::recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs) {
+Region::Unrecordable Region::unrecordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs) {
   // An op on a kind of tensor the region cannot replay (quantized, nested,
   // sparse, subclasses) runs as if outside the region: its outputs are not
   // tracked, so autograd keeps them. Nothing here may throw: such ops also
@@ -150,29 +150,28 @@ bool Region::recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs)
   // and DTensor's own) are never replayed, and an op writing a list of
   // tensors (`_foreach_*_`, FSDP's split copies) is not tracked write by
   // write: both run as if outside.
-  bool writes_list = false;
-  for (size_t i : facts.written_args) {
-    writes_list = writes_list || inputs[i].isTensorList() || inputs[i].isList();
+  if (facts.collective && !facts.replayable_collective) {
+    return {
+        "a collective the region does not replay (only functional ones, "
+        "_c10d_functional::, are replayed)"};
   }
-  return (!facts.collective || facts.replayable_collective) && !writes_list &&
-      first_unrecordable(inputs) == nullptr;
+  for (size_t i : facts.written_args) {
+    if (inputs[i].isTensorList() || inputs[i].isList()) {
+      return {"it writes a list of tensors"};
+    }
+  }
+  if (const char* kind = first_unrecordable(inputs)) {
+    return {"it reads ", kind};
+  }
+  return {};
 }
 
 std::string Region::unrecordable_reason(
     const OpFacts& facts,
     c10::ArrayRef<c10::IValue> inputs,
     c10::ArrayRef<c10::IValue> outputs) {
-  if (facts.collective && !facts.replayable_collective) {
-    return "a collective the region does not replay (only functional ones, "
-           "_c10d_functional::, are replayed)";
-  }
-  for (size_t i : facts.written_args) {
-    if (inputs[i].isTensorList() || inputs[i].isList()) {
-      return "it writes a list of tensors";
-    }
-  }
-  if (const char* kind = first_unrecordable(inputs)) {
-    return c10::str("it reads ", kind);
+  if (const Unrecordable why = unrecordable(facts, inputs)) {
+    return c10::str(why.cause, why.kind ? why.kind : "");
   }
   if (const char* kind = first_unrecordable(outputs)) {
     return c10::str("it makes ", kind);
@@ -447,7 +446,7 @@ void Region::handle(
 
   // 1. Before the op runs: what it reads and writes, and what a replay of
   // it will need that the op is about to change.
-  const bool can_record = recordable(facts, inputs);
+  const bool can_record = !unrecordable(facts, inputs);
   observe_inputs(inputs);
   Writes writes = prepare_writes(facts, inputs, can_record);
   // A call that draws nothing (attention with dropout_p == 0) needs no

@@ -179,10 +179,18 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
   // Recording one op (handle(), region.cpp), in the order it runs. Before
   // the op runs, with the mutex held:
   struct Writes; // what the op writes, and what replay needs kept of it
-  // Whether the op can be recorded at all (a collective, a list write or a
-  // tensor the region cannot rebuild: runs as if outside the region).
-  static bool recordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs);
-  // Why recordable() says no, in words for op_details' kept_why.
+  // Why the op cannot be recorded at all (a collective, a list write or a
+  // tensor the region cannot rebuild: runs as if outside the region), in
+  // words (`cause`, then the tensor's `kind` if any); false when it can.
+  struct Unrecordable {
+    const char* cause = nullptr;
+    const char* kind = nullptr;
+    explicit operator bool() const {
+      return cause != nullptr;
+    }
+  };
+  static Unrecordable unrecordable(const OpFacts& facts, c10::ArrayRef<c10::IValue> inputs);
+  // unrecordable()'s words, or what the op makes, for op_details' kept_why.
   static std::string unrecordable_reason(
       const OpFacts& facts,
       c10::ArrayRef<c10::IValue> inputs,
