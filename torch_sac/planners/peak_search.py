@@ -474,10 +474,8 @@ class Planner:
             if (saved, offloaded) in tried:
                 break
             tried.append((saved, offloaded))
-            run = self.run(ReplaySchedule([], saved).policy(offloaded))
-            candidate = _Candidate(
-                run, saved, None, None, optimal=False, choices=choices, offloaded=offloaded or None
-            )
+            candidate = self.run_chain_plan(choices, saved, offloaded)
+            run = candidate.run
             if run.peak <= peak_bytes:
                 if seconds < best_seconds:
                     best_seconds, best = seconds, candidate
@@ -521,11 +519,14 @@ class Planner:
             return
         choices = rank0s(step.recipe("input"))  # the same plan on every rank (ranks.py)
         saved, offloaded = step.saved_calls(choices), step.offloaded_calls(choices)
+        self.chain_overs.append(self.run_chain_plan(choices, saved, offloaded))
+
+    def run_chain_plan(self, choices, saved, offloaded):
+        """One run of a plan over blocks: forward keeps ``saved`` (of them,
+        ``offloaded`` in host memory); its candidate."""
         run = self.run(ReplaySchedule([], saved).policy(offloaded))
-        self.chain_overs.append(
-            _Candidate(
-                run, saved, None, None, optimal=False, choices=choices, offloaded=offloaded or None
-            )
+        return _Candidate(
+            run, saved, None, None, optimal=False, choices=choices, offloaded=offloaded or None
         )
 
     def at_budget(self, budget):

@@ -172,6 +172,11 @@ const std::vector<EntryId>& Region::readers_of(StorageId storage) {
 
 std::vector<StorageId> Region::move_pins_downstream() {
   std::vector<StorageId> moved;
+  if (open_) {
+    // Backward inside the `with` block: forward may still record readers
+    // that readers_of() would not know of. Pins stay as they are.
+    return moved;
+  }
   // A copy: pinning appends to the list.
   const std::vector<StorageId> pinned = storages_.pinned();
   for (StorageId from : pinned) {
