@@ -353,3 +353,28 @@ def test_modules_found_while_running_are_restored_without_changing_the_peaks():
         assert_as_before(model, before)
         plans.append((plain, plan.measured_peak, plan.planning_runs, plan.saved))
     assert plans[0] == plans[1]
+
+
+def test_planning_runs_no_optimizer_step_hooked_on_gradients():
+    """Planning runs backward into .grad as a training step does; a hook
+    run once a gradient is accumulated (an optimizer step in backward)
+    does not run then, and is back afterwards: the weights are as they
+    were."""
+    model, step = tiny_gpt_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = []
+
+    def optimizer_step(p):
+        steps.append(1)
+        with torch.no_grad():
+            p.add_(1.0)
+
+    handles = [p.register_post_accumulate_grad_hook(optimizer_step) for p in model.parameters()]
+    plain = budget(step, peak_bytes=1 << 50).no_checkpoint_peak
+    budget(step, peak_bytes=int(plain * 0.6))
+    assert steps == []
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    step().backward()  # the hooks are back
+    assert len(steps) == len(before)
+    for h in handles:
+        h.remove()

@@ -135,7 +135,9 @@ class StepState:
       passed or refers to: while planning they are ``None`` (a step that
       calls ``backward`` makes fresh ones, counted in its peak as in a
       step after ``zero_grad(set_to_none=True)``), and at the end each is
-      the tensor it was, untouched.
+      the tensor it was, untouched;
+    * their post-accumulate-grad hooks (an optimizer step in backward):
+      not run while planning, back at the end.
 
     So every run measures the same step, and the model is left as it was.
     The RNG is forked by each run (``_measure`` in ``peak_search.py``).
@@ -144,6 +146,7 @@ class StepState:
     def __init__(self):
         self.buffers = []  # (module, name, tensor, copy)
         self.grads = {}  # id(tensor) -> (tensor, its .grad before planning)
+        self.hooks = []  # (a tensor's post-accumulate-grad hooks, their entries)
         self.modules = set()
         # The outermost modules found: those fn refers to, then those a run
         # calls that are not inside one already found (a parent's pre-hook
@@ -180,6 +183,14 @@ class StepState:
         self.grads[id(t)] = (t, t.grad)
         self.keep.append(t)
         t.grad = None
+        # Planning runs backward into .grad: a hook run once a gradient is
+        # accumulated (an optimizer step in backward, also called by FSDP2)
+        # would change the parameters. Emptied until restore(); the dict
+        # itself stays, as autograd holds it.
+        hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            self.hooks.append((hooks, dict(hooks)))
+            hooks.clear()
 
     def ran_backward(self):
         """Whether a gradient was made during this run (fn ran its own
@@ -217,3 +228,6 @@ class StepState:
         self.reset()
         for t, grad in self.grads.values():
             t.grad = grad
+        for hooks, entries in self.hooks:
+            hooks.update(entries)
+        self.hooks.clear()
