@@ -75,8 +75,10 @@ OpFacts compute_op_facts(const c10::OperatorHandle& op) {
   facts.collective = is_collective(op);
   facts.collective_wait = op.operator_name().name == "_c10d_functional::wait_tensor" ||
       op.operator_name().name == "c10d_functional::wait_tensor";
-  facts.replayable_collective = op.operator_name().name.rfind("_c10d_functional::", 0) == 0 &&
-      !facts.collective_wait && facts.written_args.empty();
+  facts.filled_buffer = c10d_filled_buffer(op);
+  facts.replayable_collective = (op.operator_name().name.rfind("_c10d_functional::", 0) == 0 &&
+                                 !facts.collective_wait && facts.written_args.empty()) ||
+      facts.filled_buffer.has_value();
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   facts.num_args = args.size();

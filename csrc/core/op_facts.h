@@ -34,11 +34,13 @@ struct OpFacts {
   // Collectives (c10d::, _c10d_functional::, _c10d_functional_autograd::,
   // _dtensor::).
   bool collective = false;
-  // A functional collective (_c10d_functional::, out of place, not
-  // wait_tensor): a region may replay it, waiting for it at once. The others
-  // write their outputs in place (c10d::) or carry autograd of their own,
-  // and run as if outside a region.
+  // A collective a region may replay, waiting for it at once: a functional
+  // one (_c10d_functional::, out of place, not wait_tensor), or a c10d one
+  // filling a buffer (`filled_buffer`: that argument, written whole). The
+  // others write tensors they also read (c10d::allreduce_), or carry
+  // autograd of their own, and run as if outside a region.
   bool replayable_collective = false;
+  std::optional<size_t> filled_buffer;
   // _c10d_functional::wait_tensor: waits for a functional collective's
   // output and returns it. The drop-in neither numbers nor caches it: an
   // AsyncCollectiveTensor waits lazily, once per Python object, so a

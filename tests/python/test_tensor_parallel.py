@@ -45,6 +45,7 @@ WORLD = {
     "plans": 2,
     "fsdp_tp_plans": 4,
     "c10d_in_place": 2,
+    "c10d_buffers": 2,
     "tp_sp_policy_per_rank": 2,
 }
 # The whole run takes ~15 s on 2 cores; this bounds a hang.
@@ -371,3 +372,39 @@ def test_in_place_collectives_in_forward_are_exact(tmp_path_factory):
             assert row["bitwise"], (rank, name, row)
         kept = dict(results["sac_context"]["kept_anyway"])
         assert kept == {"c10d::allreduce_.default": 2}, (rank, kept)
+
+
+def test_c10d_buffer_collectives_are_replayed(tmp_path_factory):
+    """torchtitan's default TP backend gathers and reduce-scatters the
+    sequence with c10d's collectives into fresh buffers
+    (`dist.all_gather_into_tensor`, `reduce_scatter_tensor`). Regions kept
+    what they wrote (2.6x torchtitan's FullAC). Now such a collective is
+    replayed as a write into its rebuilt buffer, once per backward pass as
+    functional ones are: exact, nothing kept against the policy, and
+    recompute_all keeps no more than per-block checkpointing."""
+    for rank, results in enumerate(_run("c10d_buffers", tmp_path_factory)):
+        where = lambda name: (rank, name, results[name])  # noqa: E731
+        for name, row in results.items():
+            if name.endswith("a policy per rank"):
+                continue
+            assert row.get("bitwise"), where(name)
+        ckpt = results["torch.utils.checkpoint per block"]["activations"]
+        for name in ("apply_sac recompute_all", "apply_sac recompute_all, async collectives"):
+            row = results[name]
+            # Every block's gather replayed once (no dropped tensor needs a
+            # scatter's output: the residual add saves nothing), nothing kept.
+            assert row["collective_ops"] == 2 * 4 and row["collective_replays"] == 4, where(name)
+            assert row["kept_anyway"] == [], where(name)
+            assert row["activations"] <= 1.1 * ckpt + NOISE, (where(name), ckpt)
+        saved = results["apply_sac save_matmuls, reduce-scatter saved"]
+        # A policy may keep a collective's output instead: counted as saved
+        # (here nothing saves the scatters' outputs for backward: no bytes).
+        assert saved["collectives_saved"] == 4, where("saved")
+        assert results["apply_sac save_matmuls"]["collectives_saved"] == 0, results
+        assert saved["collective_replays"] == 4, where("saved")
+        # Ranks that recompute different collectives are told, none hangs.
+        row = results["apply_sac recompute_all, a policy per rank"]
+        assert "checkpoint a sac_context region differently" in row.get("error", ""), where(
+            "per rank"
+        )
+        assert row["in_region_after"] is False

@@ -15,6 +15,7 @@ are reported. The rank writes one JSON object to OUT_JSON.
 import contextlib
 import faulthandler
 import functools
+import gc
 import json
 import os
 import sys
@@ -183,8 +184,12 @@ def _torch_sac_list(ctx, op, *args, **kwargs):
 
 def _per_block(model, wrap):
     """Each block's forward wrapped by ``wrap(forward)``; returns an undo."""
-    originals = [(b, b.forward) for b in model.layers]
-    for b in model.layers:
+    return _wrap_each(model.layers, wrap)
+
+
+def _wrap_each(blocks, wrap):
+    originals = [(b, b.forward) for b in blocks]
+    for b in blocks:
         b.forward = wrap(b.forward)
 
     def undo():
@@ -494,9 +499,153 @@ def run_in_place_collectives(rank):
     return results
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallel as torchtitan's default (spmd_types) backend does
+    it on local tensors: c10d's all_gather_into_tensor into a fresh buffer
+    in forward, reduce_scatter_tensor in backward."""
+
+    @staticmethod
+    def forward(ctx, x, async_op):
+        world = dist.get_world_size()
+        out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype)
+        work = dist.all_gather_into_tensor(out, x.contiguous(), async_op=async_op)
+        if async_op:
+            work.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous())
+        return out, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """The row-parallel linear's partial sums, reduce-scattered over the
+    sequence into a fresh buffer (all-gathered back in backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty((grad.shape[0] * dist.get_world_size(), *grad.shape[1:]))
+        dist.all_gather_into_tensor(out, grad.contiguous())
+        return out
+
+
+class C10dBlock(nn.Module):
+    """A sequence-parallel feed-forward block on local tensors: norm on the
+    sequence shard, gather, column- then row-parallel linears, scatter."""
+
+    def __init__(self, async_op=False):
+        super().__init__()
+        world = dist.get_world_size()
+        self.norm = RMSNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN // world, bias=False)
+        self.w2 = nn.Linear(HIDDEN // world, DIM, bias=False)
+        self.async_op = async_op
+
+    def forward(self, x):
+        h = _GatherSequence.apply(self.norm(x), self.async_op)
+        return x + _ScatterSequence.apply(self.w2(F.silu(self.w1(h))))
+
+
+C10D_BUFFER_VARIANTS = (
+    "none",
+    # First: ranks agree on a process group's collectives once per process
+    # (collective_agreement.h), and the variants after it would agree.
+    "apply_sac recompute_all, a policy per rank",
+    "torch.utils.checkpoint per block",
+    "apply_sac recompute_all",
+    "apply_sac recompute_all, async collectives",
+    "torch_sac.checkpoint recompute_all",
+    "apply_sac save_matmuls",
+    "apply_sac save_matmuls, reduce-scatter saved",
+)
+
+
+def run_c10d_buffers(rank):
+    """c10d's buffer-filling collectives (torchtitan's default TP backend)
+    in forward, replayed in backward: bitwise against no checkpointing, and
+    what each variant keeps, replays and is told."""
+    results, steps = {}, {}
+    for name in C10D_BUFFER_VARIANTS:
+        gc.collect()  # the last variant's cycles: not to be freed inside this one's window
+        torch.manual_seed(3)  # the same weights on every rank
+        blocks = nn.Sequential(*(C10dBlock("async" in name) for _ in range(LAYERS)))
+        torch.manual_seed(4 + rank)  # each rank its own sequence shard
+        x = torch.randn(SEQ // dist.get_world_size(), BATCH, DIM, requires_grad=True)
+        undo, handle = (lambda: None), None
+        layers = list(blocks)
+        if name == "torch.utils.checkpoint per block":
+            undo = _wrap_each(
+                layers, lambda f: functools.partial(tc.checkpoint, f, use_reentrant=False)
+            )
+        elif name == "torch_sac.checkpoint recompute_all":
+            policy = torch_sac.policies.recompute_all()
+            undo = _wrap_each(
+                layers, lambda f: functools.partial(torch_sac.checkpoint, f, policy=policy)
+            )
+        elif name.startswith("apply_sac"):
+            if "per rank" in name:
+                # Rank 0 keeps the gathers, so it would never replay them.
+                gathers = [torch.ops.c10d._allgather_base_.default]
+                policy = torch_sac.policies.save_ops([] if rank else gathers)
+            elif "saved" in name:
+                policy = torch_sac.policies.save_ops(
+                    [aten.mm.default, torch.ops.c10d._reduce_scatter_base_.default]
+                )
+            else:
+                policy = getattr(torch_sac.policies, name.split()[1].rstrip(","))()
+            handle = torch_sac.apply_sac(blocks, policy)
+            undo = handle.remove
+        try:
+            with torch_sac.memory.track() as m:
+                out = blocks(x)
+                activations = m.delta
+                loss = out.square().sum()
+                loss.backward()
+        except RuntimeError as e:
+            results[name] = {
+                "error": str(e).splitlines()[0][:1000],
+                "in_region_after": torch_sac.region.in_region(),
+            }
+            undo()
+            continue
+        row = {"activations": activations, "peak": m.peak}
+        if handle is not None:
+            total = handle.stats()["total"]
+            for key in ("collective_ops", "collective_replays", "dropped_bytes"):
+                row[key] = total.get(key, 0)
+            details = [d for rows in handle.op_details().values() for d in rows]
+            row["kept_anyway"] = sorted({d["op"] for d in details if d["kept_anyway"]})
+            row["collectives_saved"] = sum(
+                d["saved"] for d in details if d["op"].startswith("c10d")
+            )
+        undo()
+        steps[name] = (
+            loss.detach(),
+            [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()],
+        )
+        del out, loss  # the graph: not to be freed inside the next variant's window
+        results[name] = row
+    ref_loss, ref_grads = steps["none"]
+    for name, (loss, grads) in steps.items():
+        results[name]["bitwise"] = torch.equal(loss, ref_loss) and all(
+            torch.equal(a, b) for a, b in zip(grads, ref_grads)
+        )
+    return results
+
+
 def run_case(case, mesh, rank):
     if case == "c10d_in_place":
         return run_in_place_collectives(rank)
+    if case == "c10d_buffers":
+        return run_c10d_buffers(rank)
     if case == "pp":
         return run_pipeline(rank, dist.get_world_size())
     if case in ("plans", "fsdp_tp_plans"):

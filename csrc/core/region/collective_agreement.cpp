@@ -12,6 +12,7 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "csrc/core/region/c10d_objects.h"
 #include "csrc/core/replay_guard.h"
 
 namespace torch_sac::region {
@@ -70,6 +71,8 @@ void CollectiveAgreement::note(
   for (const auto i : c10::irange(std::min(args.size(), inputs.size()))) {
     if (args[i].name() == "group_name" && inputs[i].isString()) {
       group_name = inputs[i].toStringRef();
+    } else if (args[i].name() == "process_group") { // c10d's
+      group_name = c10d_group_name(inputs[i]);
     } else if (!device && inputs[i].isTensor() && inputs[i].toTensor().defined()) {
       device = inputs[i].toTensor().device();
     } else if (!device && inputs[i].isTensorList() && !inputs[i].toTensorList().empty()) {
@@ -136,7 +139,7 @@ void CollectiveAgreement::check() const {
         " saved tensors whose rebuild replays one; another rank differs. Give every rank the "
         "same policy (a plan made on one rank only, or a policy that depends on the rank, "
         "does not), or make the policy save the collectives' outputs (MUST_SAVE for "
-        "_c10d_functional ops): then ranks may drop different tensors, since no replay runs "
+        "the collectives named): then ranks may drop different tensors, since no replay runs "
         "a collective.");
   }
 }

@@ -152,8 +152,9 @@ Region::Unrecordable Region::unrecordable(const OpFacts& facts, c10::ArrayRef<c1
   // write: both run as if outside.
   if (facts.collective && !facts.replayable_collective) {
     return {
-        "a collective the region does not replay (only functional ones, "
-        "_c10d_functional::, are replayed)"};
+        "a collective the region does not replay (functional ones, _c10d_functional::, "
+        "and c10d's that fill a buffer, all_gather_into_tensor, reduce_scatter_tensor and "
+        "all_to_all_single, are)"};
   }
   for (size_t i : facts.written_args) {
     if (inputs[i].isTensorList() || inputs[i].isList()) {
@@ -529,7 +530,25 @@ void Region::handle(
   if (facts.collective) {
     for (const auto& [position, s] : entry.produced) {
       storages_.unsettle(s);
+      if (facts.replayable_collective) {
+        storages_[s].collective = entry_index;
+      }
     }
+  }
+  // A c10d collective filling a buffer the region made: the buffer's next
+  // state is the collective's output, replayed as a write into it.
+  const StorageId buffer = facts.filled_buffer && !writes.storages.empty() &&
+          !is_collective_output(writes.storages.front())
+      ? writes.storages.front()
+      : StorageId::invalid();
+  if (buffer.valid()) {
+    if (storages_[buffer].replayable) {
+      count_decision(info, call_index, decision, storages_[buffer].nbytes);
+      if (save) {
+        storages_[buffer].replayable = false; // the policy keeps the output
+      }
+    }
+    storages_.unsettle(buffer, /*on_sight=*/true);
   }
   if (is_offload(decision)) {
     for (const auto& [position, s] : entry.produced) {
@@ -558,6 +577,10 @@ void Region::handle(
     storages_[s].mutations.push_back(entry_index);
     storages_[s].recorded_write_pending = true;
   }
+  if (buffer.valid() && entry.replayable) {
+    storages_[buffer].collective = entry_index;
+    storages_[buffer].collective_state = storages_[buffer].mutations.next_id();
+  }
   entry.writes = std::move(writes.storages);
   tape_.entries.push_back(std::move(entry));
   const auto record_end = Clock::now();
@@ -567,9 +590,7 @@ void Region::handle(
 }
 
 bool Region::is_collective_output(StorageId storage) const {
-  const EntryId producer = storages_[storage].producer;
-  return producer.valid() &&
-      tape_.ops[tape_.entries[producer].op_index].facts->replayable_collective;
+  return storages_[storage].collective.valid();
 }
 
 void Region::note_collective_deps(

@@ -12,6 +12,7 @@
 
 #include "csrc/core/detached_alias.h"
 #include "csrc/core/ivalue_tensors.h"
+#include "csrc/core/region/c10d_objects.h"
 #include "csrc/core/region/region.h"
 #include "csrc/core/replay_guard.h"
 #include "csrc/core/tensor_version.h"
@@ -25,9 +26,14 @@ std::string describe(const at::Tensor& t) {
   return out.str();
 }
 
-// A replayed functional collective's outputs are waited for at once: its
-// consumers in the replay read them next, and nothing else would wait.
-void wait_for_collective(const torch::jit::Stack& outputs) {
+// A replayed collective is waited for at once: its consumers in the replay
+// read its output next, and nothing else would wait. A functional one's
+// outputs through wait_tensor, a c10d one's through the Work it returns.
+void wait_for_collective(const OpFacts& facts, const torch::jit::Stack& outputs) {
+  if (facts.filled_buffer) {
+    wait_c10d_works(outputs);
+    return;
+  }
   static const c10::OperatorHandle wait = c10::Dispatcher::singleton().findSchemaOrThrow(
       "_c10d_functional::wait_tensor", "");
   for (const c10::IValue& out : outputs) {
@@ -145,10 +151,15 @@ c10::Storage Region::materialize_restoring(StorageId storage, StateId state, Sco
 void Region::replay_collectives_for(const SavedActivation& saved) {
   for (EntryId collective : storages_.at(saved.storage).collective_deps) {
     const Entry& entry = tape_.entries[collective];
-    TORCH_INTERNAL_ASSERT(!entry.produced.empty(), "torch_sac: a replayed collective made nothing");
-    const StorageId output = entry.produced.front().second;
+    // What it made, or the buffer it filled (c10d's).
+    const StorageId output = !entry.produced.empty() ? entry.produced.front().second
+        : !entry.writes.empty()                      ? entry.writes.front()
+                                                     : StorageId::invalid();
+    TORCH_INTERNAL_ASSERT(
+        output.valid() && storages_[output].collective == collective,
+        "torch_sac: a replayed collective has no output");
     if (!storages_[output].pinned) {
-      materialize_restoring(output, StateId(0), saved.scope);
+      materialize_restoring(output, storages_[output].collective_state, saved.scope);
       ++stats_.collective_replays;
     }
   }
@@ -157,8 +168,11 @@ void Region::replay_collectives_for(const SavedActivation& saved) {
 const std::vector<EntryId>& Region::readers_of(StorageId storage) {
   auto [it, inserted] = pin_readers_.try_emplace(storage);
   if (inserted) {
-    const EntryId producer = storages_[storage].producer;
-    for (size_t e = producer.valid() ? producer.index() + 1 : 0; e < tape_.entries.size(); ++e) {
+    // Those after what it holds was made: its collective (which for a c10d
+    // one also reads the empty buffer), or else its producer.
+    const StorageRecord& record = storages_[storage];
+    const EntryId made = record.collective.valid() ? record.collective : record.producer;
+    for (size_t e = made.valid() ? made.index() + 1 : 0; e < tape_.entries.size(); ++e) {
       for (const ArgSlot& slot : tape_.entries[EntryId::at(e)].slots) {
         if (slot.storage == storage) {
           it->second.push_back(EntryId::at(e));
@@ -285,7 +299,8 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
       return slot.geometry.view_of(m->second.first);
     };
     const torch::jit::Stack outputs = replay_entry(e, resolve);
-    const bool collective = tape_.ops[entry.op_index].facts->replayable_collective;
+    const OpFacts& facts = *tape_.ops[entry.op_index].facts;
+    const bool collective = facts.replayable_collective && !facts.filled_buffer;
     int32_t position = 0;
     auto produced = entry.produced.begin();
     for (const c10::IValue& out : outputs) {
@@ -311,6 +326,11 @@ c10::Storage Region::materialize(StorageId storage, StateId state, ScopeId scope
       auto w = working.find(s);
       if (w != working.end()) {
         w->second.second = w->second.second.next();
+        if (storages_[s].collective == e) {
+          // The buffer a c10d collective filled: held for the rest of the
+          // pass at this state (StorageTable::pin).
+          storages_.pin(s, w->second.first);
+        }
       }
     }
     // Intermediates past their last use go now; ones autograd will unpack
@@ -448,8 +468,8 @@ torch::jit::Stack Region::replay_entry(
     }
     auto run = [&] {
       entry.op.callBoxed(stack);
-      if (tape_.ops[entry.op_index].facts->replayable_collective) {
-        wait_for_collective(stack);
+      if (const OpFacts& facts = *tape_.ops[entry.op_index].facts; facts.replayable_collective) {
+        wait_for_collective(facts, stack);
       }
     };
     if (entry.rng) {

@@ -42,6 +42,9 @@ StorageId StorageTable::track(
 void StorageTable::observe(StorageId storage, const at::Tensor& t) {
   StorageRecord& record = records_[storage];
   if (record.unsettled) {
+    if (record.settles_on_sight) {
+      settle(storage, t);
+    }
     return;
   }
   const uint32_t version = version_of(t);
@@ -59,6 +62,7 @@ void StorageTable::settle(StorageId storage, const at::Tensor& t) {
   record.last_version = version_of(t);
   record.recorded_write_pending = false;
   record.unsettled = false;
+  record.settles_on_sight = false;
 }
 
 // A rebuilt storage met on the way is kept when autograd will still unpack
@@ -95,7 +99,7 @@ void StorageTable::release_memos() {
 
 void StorageTable::pin(StorageId storage, const at::Tensor& t) {
   StorageRecord& record = records_[storage];
-  memoise(storage, t, StateId(0));
+  memoise(storage, t, record.collective_state);
   if (!record.pinned) {
     record.pinned = true;
     pinned_.push_back(storage);
@@ -122,7 +126,9 @@ void StorageTable::unpin_from(EntryId horizon) {
   size_t kept = 0;
   for (StorageId s : pinned_) {
     StorageRecord& record = records_[s];
-    if (record.producer < horizon) {
+    // A collective's output is pinned once that collective replayed; a pin
+    // moved to what its readers made, once they did.
+    if ((record.collective.valid() ? record.collective : record.producer) < horizon) {
       pinned_[kept++] = s;
       continue;
     }

@@ -46,18 +46,25 @@ struct StorageRecord {
   uint32_t last_version = 0;
   bool recorded_write_pending = false;
   // A collective's output before its wait: its backend writes it (and bumps
-  // its version) on a thread of its own, so versions mean nothing yet.
+  // its version) on a thread of its own, so versions mean nothing yet. A
+  // c10d collective's is waited for outside the dispatcher (Work.wait()):
+  // it settles when it is next met (`settles_on_sight`).
   bool unsettled = false;
+  bool settles_on_sight = false;
   // Dropped activations of this storage alive, and those of them not yet
   // unpacked in this backward pass.
   int32_t live_refs = 0;
   int32_t pending_unpacks = 0;
   Memo memo; // a rebuilt copy
   // The collectives (replayable entries) a rebuild of it from scratch may
-  // replay, in tape order; and whether it is the output of one, replayed in
-  // this backward pass and held until no live dropped activation can need
-  // it (pin()).
+  // replay, in tape order.
   std::vector<EntryId> collective_deps;
+  // The collective whose output it holds (its producer, or the c10d
+  // collective that filled it) and the state that leaves it in; whether
+  // that was replayed in this backward pass and is held at that state until
+  // no live dropped activation can need it (pin()).
+  EntryId collective;
+  StateId collective_state{0};
   bool pinned = false;
   // Pinned, but the bytes held moved to what its readers made
   // (Region::move_pins_downstream): a collective's output still counts as
@@ -95,9 +102,11 @@ class StorageTable {
   void observe(StorageId storage, const at::Tensor& t);
 
   // A collective's output: unsettled until settle(), when its wait returns
-  // and its current version becomes the one to expect.
-  void unsettle(StorageId storage) {
+  // and its current version becomes the one to expect, or until it is met
+  // again (`on_sight`).
+  void unsettle(StorageId storage, bool on_sight = false) {
     records_[storage].unsettled = true;
+    records_[storage].settles_on_sight = on_sight;
   }
   void settle(StorageId storage, const at::Tensor& t);
 
@@ -109,8 +118,8 @@ class StorageTable {
   // weak ones whose storage died.
   void release_memos();
   int64_t strong_memo_bytes() const;
-  // A replayed collective's output: held, never weakened nor let go by a
-  // budget, until unpin_from() or a new pass. Whether a later rebuild runs
+  // A replayed collective's output (at its collective_state): held, never
+  // weakened nor let go by a budget, until unpin_from() or a new pass. Whether a later rebuild runs
   // the collective again must not depend on what is still alive (garbage
   // collection differs between ranks), or the ranks' replays fall out of
   // step (collective_agreement.h).
