@@ -381,7 +381,14 @@ def test_c10d_buffer_collectives_are_replayed(tmp_path_factory):
     what they wrote (2.6x torchtitan's FullAC). Now such a collective is
     replayed as a write into its rebuilt buffer, once per backward pass as
     functional ones are: exact, nothing kept against the policy, and
-    recompute_all keeps no more than per-block checkpointing."""
+    recompute_all keeps no more than per-block checkpointing.
+
+    gloo's reduce-scatter copies its share into the buffer when waited for
+    (`aten::copy_` on the caller's thread, from a clone it made inside the
+    collective). The key adapter sees that clone made and lets the copy be
+    the collective's; recorded as the program's write, it made the
+    scatter's output unreplayable and kept (torchtitan: 1.30x FullAC). The
+    Python adapter cannot see inside the collective: it keeps the output."""
     for rank, results in enumerate(_run("c10d_buffers", tmp_path_factory)):
         where = lambda name: (rank, name, results[name])  # noqa: E731
         for name, row in results.items():
@@ -391,17 +398,21 @@ def test_c10d_buffer_collectives_are_replayed(tmp_path_factory):
         ckpt = results["torch.utils.checkpoint per block"]["activations"]
         for name in ("apply_sac recompute_all", "apply_sac recompute_all, async collectives"):
             row = results[name]
-            # Every block's gather replayed once (no dropped tensor needs a
-            # scatter's output: the residual add saves nothing), nothing kept.
-            assert row["collective_ops"] == 2 * 4 and row["collective_replays"] == 4, where(name)
+            # Every block's gather and scatter replayed once, nothing kept.
+            replays = 2 * 4 if row["adapter"] == "key" else 4
+            assert row["collective_ops"] == 2 * 4, where(name)
+            assert row["collective_replays"] == replays, where(name)
             assert row["kept_anyway"] == [], where(name)
-            assert row["activations"] <= 1.1 * ckpt + NOISE, (where(name), ckpt)
+            if row["adapter"] == "key":
+                assert row["activations"] <= 1.1 * ckpt + NOISE, (where(name), ckpt)
         saved = results["apply_sac save_matmuls, reduce-scatter saved"]
         # A policy may keep a collective's output instead: counted as saved
         # (here nothing saves the scatters' outputs for backward: no bytes).
         assert saved["collectives_saved"] == 4, where("saved")
         assert results["apply_sac save_matmuls"]["collectives_saved"] == 0, results
         assert saved["collective_replays"] == 4, where("saved")
+        if saved["adapter"] == "key":  # the Python adapter keeps them anyway
+            assert saved["activations"] > results["apply_sac save_matmuls"]["activations"]
         # Ranks that recompute different collectives are told, none hangs.
         row = results["apply_sac recompute_all, a policy per rank"]
         assert "checkpoint a sac_context region differently" in row.get("error", ""), where(

@@ -551,7 +551,8 @@ class C10dBlock(nn.Module):
 
     def forward(self, x):
         h = _GatherSequence.apply(self.norm(x), self.async_op)
-        return x + _ScatterSequence.apply(self.w2(F.silu(self.w1(h))))
+        # A gate that saves the scatter's output, so rebuilds replay it too.
+        return x + torch.tanh(_ScatterSequence.apply(self.w2(F.silu(self.w1(h)))))
 
 
 C10D_BUFFER_VARIANTS = (
@@ -626,6 +627,7 @@ def run_c10d_buffers(rank):
             row["collectives_saved"] = sum(
                 d["saved"] for d in details if d["op"].startswith("c10d")
             )
+            row["adapter"] = torch_sac.adapter()
         undo()
         steps[name] = (
             loss.detach(),

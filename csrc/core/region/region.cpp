@@ -52,6 +52,25 @@ const char* passes_through(c10::ArrayRef<c10::IValue> values) {
   return why;
 }
 
+// The region whose c10d collective is running on this thread: the ops its
+// backend runs meanwhile come to that region's handle() (InterceptNestedOps)
+// to have their outputs noted, not recorded.
+thread_local const Region* tls_collective_running = nullptr;
+
+class CollectiveRunning {
+ public:
+  explicit CollectiveRunning(const Region* region)
+      : previous_(std::exchange(tls_collective_running, region)) {}
+  ~CollectiveRunning() {
+    tls_collective_running = previous_;
+  }
+  CollectiveRunning(const CollectiveRunning&) = delete;
+  CollectiveRunning& operator=(const CollectiveRunning&) = delete;
+
+ private:
+  const Region* previous_;
+};
+
 } // namespace
 
 Region::Region(
@@ -104,6 +123,7 @@ void Region::close() {
     std::lock_guard<std::mutex> lock(mutex_);
     open_ = false;
     unreplayable_by_.clear(); // packs come in forward only
+    backend_scratch_.clear();
     policies.swap(policies_);
     collectives = std::move(collectives_);
     release_unneeded_entries();
@@ -422,6 +442,32 @@ void Region::handle(
     run(stack);
     return;
   }
+  if (tls_collective_running == this) {
+    // An op a c10d collective's backend runs: the storages it makes are
+    // noted (not views: those are of the collective's own arguments).
+    std::vector<const c10::StorageImpl*> read;
+    for (const c10::IValue& in : torch::jit::last(*stack, op.schema().arguments().size())) {
+      for_each_tensor(in, [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) {
+          read.push_back(t.storage().unsafeGetStorageImpl());
+        }
+      });
+    }
+    run(stack);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const c10::IValue& out : torch::jit::last(*stack, op.schema().returns().size())) {
+      for_each_tensor(out, [&](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage() || storages_.find(t).valid()) {
+          return;
+        }
+        const c10::StorageImpl* made = t.storage().unsafeGetStorageImpl();
+        if (std::find(read.begin(), read.end(), made) == read.end()) {
+          backend_scratch_.insert_or_assign(made, t.storage().getWeakStorageImpl());
+        }
+      });
+    }
+    return;
+  }
   using Clock = std::chrono::steady_clock;
   const auto record_start = Clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
@@ -444,6 +490,11 @@ void Region::handle(
     return;
   }
   const std::vector<c10::IValue> inputs(stack->end() - num_args, stack->end());
+  if (!backend_scratch_.empty() && finishes_backend_collective(inputs)) {
+    lock.unlock();
+    run(stack);
+    return;
+  }
 
   // 1. Before the op runs: what it reads and writes, and what a replay of
   // it will need that the op is about to change.
@@ -460,7 +511,11 @@ void Region::handle(
   // another thread may need it).
   const auto run_start = Clock::now();
   lock.unlock();
-  run(stack);
+  if (facts.filled_buffer) {
+    run_noting_backend_scratch(stack, run);
+  } else {
+    run(stack);
+  }
   const auto run_end = Clock::now();
   const size_t num_returns = facts.num_returns;
   c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - num_returns, num_returns);
@@ -587,6 +642,35 @@ void Region::handle(
   stats_.record_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                           (run_start - record_start) + (record_end - run_end))
                           .count();
+}
+
+void Region::run_noting_backend_scratch(torch::jit::Stack* stack, RunOp run) {
+  const CollectiveRunning running(this);
+  const InterceptNestedOps nested;
+  run(stack);
+}
+
+bool Region::finishes_backend_collective(c10::ArrayRef<c10::IValue> inputs) const {
+  bool scratch = false;
+  bool other = false;
+  for (const c10::IValue& v : inputs) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) {
+        return;
+      }
+      auto it = backend_scratch_.find(t.storage().unsafeGetStorageImpl());
+      if (it != backend_scratch_.end() && !it->second.expired()) {
+        scratch = true;
+        return;
+      }
+      const StorageId s = storages_.find(t);
+      // A buffer a c10d collective filled, not met since (it settles then).
+      const bool awaited = s.valid() && storages_[s].collective.valid() && storages_[s].unsettled &&
+          storages_[s].settles_on_sight;
+      other = other || !awaited;
+    });
+  }
+  return scratch && !other;
 }
 
 bool Region::is_collective_output(StorageId storage) const {

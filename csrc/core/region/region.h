@@ -236,6 +236,15 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
 
   // The storage is the output of a collective a replay may run.
   bool is_collective_output(StorageId storage) const;
+  // Runs a c10d collective that fills a buffer, noting the storages its
+  // backend makes on this thread meanwhile (backend_scratch_).
+  void run_noting_backend_scratch(torch::jit::Stack* stack, RunOp run);
+  // Whether every tensor the op is passed is the scratch of a c10d
+  // collective's backend or a buffer such a collective filled and nothing
+  // has read since (and one is scratch): gloo's reduce-scatter copies its
+  // share from its scratch into the buffer when waited for, in ops on this
+  // thread that are the collective's, not the program's.
+  bool finishes_backend_collective(c10::ArrayRef<c10::IValue> inputs) const;
   // The collectives a rebuild of the entry's outputs (and of what it
   // writes) may replay (StorageRecord::collective_deps).
   void note_collective_deps(
@@ -316,6 +325,10 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
     bool counted = false;
   };
   std::unordered_map<const c10::StorageImpl*, UnreplayableBy> unreplayable_by_;
+  // Storages c10d collectives' backends made on this thread as they ran,
+  // until close() (see finishes_backend_collective).
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>>
+      backend_scratch_;
   // The parts (declared before the planner, which refers to them).
   Tape tape_;              // what forward recorded (tape.h)
   StorageTable storages_;  // tracked storages, memos, live references (storage_table.h)
