@@ -49,7 +49,9 @@ def _warn_kept(region):
             for cue, fix in (
                 (
                     "collective",
-                    "functional collectives (torch.distributed._functional_collectives)",
+                    "functional collectives (torch.distributed._functional_collectives), "
+                    "or c10d's that fill a fresh buffer (all_gather_into_tensor, "
+                    "reduce_scatter_tensor, all_to_all_single)",
                 ),
                 ("list of tensors", "out-of-place ops"),
             )

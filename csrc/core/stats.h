@@ -117,8 +117,9 @@ namespace region {
     "(sac_context.kept_as_is() says which kinds)")                                                 \
   X(kept_as_is_bytes, "their storage bytes")                                                       \
   X(collective_ops,                                                                                \
-    "collectives forward ran (functional ones the policy recomputed run again in backward, "       \
-    "once a pass, at the first unpack that needs them; other kinds are never replayed)")           \
+    "collectives forward ran (functional ones and c10d's buffer-filling ones the policy "          \
+    "recomputed run again in backward, once a pass, at the first unpack that needs them; other "   \
+    "kinds are never replayed)")                                                                   \
   X(collective_bytes, "storage bytes of the collectives' outputs")                                 \
   X(collective_replays, "collectives backward ran again")
 
