@@ -89,11 +89,14 @@ OpFacts compute_op_facts(const c10::OperatorHandle& op) {
     }
   }
   for (const c10::Argument& ret : schema.returns()) {
-    const bool alias = ret.alias_info() != nullptr;
+    // A buffer-filling c10d collective returns its buffer, unannotated.
+    const bool alias = ret.alias_info() != nullptr ||
+        (facts.filled_buffer && ret.type()->kind() == c10::TypeKind::TensorType);
     const bool tensor = ret.type()->kind() == c10::TypeKind::TensorType ||
         ret.type()->isSubtypeOf(*c10::ListType::ofTensors());
     facts.returns_alias = facts.returns_alias || alias;
-    facts.returns_written_arg = facts.returns_written_arg || (alias && ret.alias_info()->isWrite());
+    facts.returns_written_arg = facts.returns_written_arg ||
+        (alias && (!ret.alias_info() || ret.alias_info()->isWrite()));
     facts.makes_new_tensors = facts.makes_new_tensors || (tensor && !alias);
   }
   return facts;

@@ -49,6 +49,33 @@ c10::OperatorHandle op(const char* name, const char* overload) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 
+TEST(OpFacts, C10dCollectivesThatFillABuffer) {
+  const auto found = c10::Dispatcher::singleton().findSchema({"c10d::_allgather_base_", ""});
+  if (!found) {
+    GTEST_SKIP() << "torch built without torch.distributed";
+  }
+  // The buffer (argument 0) is the one write; the tensor returned is it.
+  const auto facts = op_facts(*found);
+  EXPECT_TRUE(facts->collective);
+  EXPECT_TRUE(facts->replayable_collective);
+  ASSERT_TRUE(facts->filled_buffer.has_value());
+  EXPECT_EQ(*facts->filled_buffer, 0u);
+  EXPECT_EQ(facts->written_args, std::vector<size_t>{0});
+  EXPECT_TRUE(facts->returns_alias);
+  EXPECT_TRUE(facts->returns_written_arg);
+  EXPECT_FALSE(facts->makes_new_tensors);
+  for (const char* name : {"c10d::_reduce_scatter_base_", "c10d::alltoall_base_"}) {
+    const auto other = op_facts(op(name, ""));
+    EXPECT_TRUE(other->replayable_collective) << name;
+    EXPECT_EQ(other->written_args, std::vector<size_t>{0}) << name;
+  }
+  // all_reduce reads what it writes: not replayed, every tensor written.
+  const auto all_reduce = op_facts(op("c10d::allreduce_", ""));
+  EXPECT_FALSE(all_reduce->replayable_collective);
+  EXPECT_FALSE(all_reduce->filled_buffer.has_value());
+  EXPECT_FALSE(all_reduce->written_args.empty());
+}
+
 TEST(OpFacts, SchemaFactsOfCommonOps) {
   const auto mm = op_facts(op("aten::mm", ""));
   EXPECT_EQ(mm->name, "aten::mm.default");
