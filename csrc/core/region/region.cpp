@@ -205,7 +205,8 @@ void Region::note_unreplayable(
     const OpFacts& facts,
     c10::ArrayRef<c10::IValue> inputs,
     c10::ArrayRef<c10::IValue> outputs,
-    const std::vector<StorageId>& written) {
+    const std::vector<StorageId>& written,
+    const char* why) {
   auto note = [&](const c10::Storage& storage) {
     unreplayable_by_.insert_or_assign(
         storage.unsafeGetStorageImpl(), UnreplayableBy{storage.getWeakStorageImpl(), op_index});
@@ -224,7 +225,7 @@ void Region::note_unreplayable(
   }
   OpInfo& info = tape_.ops[op_index];
   if (info.kept_why.empty()) {
-    info.kept_why = unrecordable_reason(facts, inputs, outputs);
+    info.kept_why = why != nullptr ? std::string(why) : unrecordable_reason(facts, inputs, outputs);
   }
 }
 
@@ -612,13 +613,21 @@ void Region::handle(
     }
   }
   bool writes_replayable = false;
+  std::vector<StorageId> collective_outputs_written;
   for (StorageId s : writes.storages) {
-    if (is_collective_output(s)) {
+    if (is_collective_output(s) && storages_[s].replayable) {
       // Replays of a collective happen once a pass (note_collective_deps):
       // a later state of its output is kept, not rebuilt.
       storages_[s].replayable = false;
+      collective_outputs_written.push_back(s);
     }
     writes_replayable = writes_replayable || storages_[s].replayable;
+  }
+  if (!collective_outputs_written.empty() && !save) {
+    note_unreplayable(
+        op_index, facts, inputs, {}, collective_outputs_written,
+        "it writes a collective's output, which a region replays once per pass and never "
+        "rebuilds at a later state");
   }
   entry.replayable = (produced && !save) || writes_replayable;
   if (facts.replayable_collective) {

@@ -195,14 +195,16 @@ class Region final : public OpHandler, public std::enable_shared_from_this<Regio
       const OpFacts& facts,
       c10::ArrayRef<c10::IValue> inputs,
       c10::ArrayRef<c10::IValue> outputs);
-  // An op the policy would recompute ran unrecorded: what it made and wrote
-  // is kept whenever autograd saves it, and the packs say whose it is.
+  // An op the policy would recompute ran unrecorded (or wrote storages that
+  // can no longer be rebuilt, `why`): what it made and wrote is kept
+  // whenever autograd saves it, and the packs say whose it is.
   void note_unreplayable(
       int32_t op_index,
       const OpFacts& facts,
       c10::ArrayRef<c10::IValue> inputs,
       c10::ArrayRef<c10::IValue> outputs,
-      const std::vector<StorageId>& written);
+      const std::vector<StorageId>& written,
+      const char* why = nullptr);
   // A pack kept `t`: counted against the op note_unreplayable named, if any.
   void count_kept_anyway(const at::Tensor& t);
   // Inputs the region tracks are met again: notes writes it did not see.
