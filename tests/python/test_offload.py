@@ -1023,7 +1023,9 @@ def test_plan_with_offload_saves_and_loads(plan_stand_in, mlp_step, tmp_path):
     plan.save(tmp_path / "plan.json")
     back = torch_sac.PeakPlan.load(tmp_path / "plan.json")
     assert back.offloaded == plan.offloaded and back.blocks == plan.blocks
-    assert back.policy().num_offloaded_calls == len(plan.offloaded)
+    # Whether offloading wins is measured (a loaded machine once chose a
+    # plan without it: offloaded is None then).
+    assert back.policy().num_offloaded_calls == len(plan.offloaded or ())
     got, _ = grads(torch_sac.sac_context(back))
     assert_same(got, want)
     # A plan written before offloading existed (format 3) loads with none.
