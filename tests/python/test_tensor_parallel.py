@@ -422,3 +422,40 @@ def test_c10d_buffer_collectives_are_replayed(tmp_path_factory):
             "per rank"
         )
         assert row["in_region_after"] is False
+
+
+def test_a_tensor_from_outside_waited_inside_is_not_kept_against_the_policy():
+    """DTensor waits for a collective lazily, often inside the next block's
+    region: ``wait_tensor`` (a collective the region does not replay) on a
+    tensor made outside it. What it returns is that outside tensor, kept
+    whatever the policy, so it is not itemised as kept anyway nor warned of
+    (it was, once per region, on every TP block)."""
+    code = """
+import warnings, torch, torch_sac, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+group = dist.group.WORLD
+
+class Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.ops._c10d_functional.all_gather_into_tensor(x, 1, group.group_name)
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+x = torch.randn(64, 256, requires_grad=True)
+g = Gather.apply(x)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
+        out = torch.ops._c10d_functional.wait_tensor(g).sin().sum()
+    out.backward()
+assert torch.equal(x.grad, x.cos()), "gradient"
+kept = [r["op"] for r in region.op_details() if r["kept_anyway"]]
+assert kept == [], kept
+assert not [w for w in caught if "kept tensors" in str(w.message)], [str(w.message) for w in caught]
+print("ok")
+"""
+    run = run_isolated(code)
+    assert run.status == "ok", run.stderr[-3000:]
+    assert run.stdout.startswith("ok")

@@ -211,9 +211,20 @@ void Region::note_unreplayable(
     unreplayable_by_.insert_or_assign(
         storage.unsafeGetStorageImpl(), UnreplayableBy{storage.getWeakStorageImpl(), op_index});
   };
+  // What it returns of its inputs (wait_tensor, views) was not made here:
+  // a tensor from outside the region is kept whatever the op.
+  std::vector<const c10::StorageImpl*> read;
+  for (const c10::IValue& in : inputs) {
+    for_each_tensor(in, [&](const at::Tensor& t) {
+      if (t.defined() && t.has_storage()) {
+        read.push_back(t.storage().unsafeGetStorageImpl());
+      }
+    });
+  }
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
-      if (t.defined() && t.has_storage() && !storages_.find(t).valid()) {
+      if (t.defined() && t.has_storage() && !storages_.find(t).valid() &&
+          std::find(read.begin(), read.end(), t.storage().unsafeGetStorageImpl()) == read.end()) {
         note(t.storage());
       }
     });
