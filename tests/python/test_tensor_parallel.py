@@ -248,10 +248,24 @@ def test_a_policy_per_rank_is_refused_clearly_or_exact_and_never_hangs(tmp_path_
         assert "error" not in row and row["bitwise"], (rank, row)
 
 
+# Ends a one-rank child once it has said "ok": the interpreter's teardown
+# with gloo's threads still running once aborted it ("terminate called
+# without an active exception") after everything had passed.
+_EXIT = """
+import os, sys
+
+def _exit_without_teardown():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+"""
+
 # One gloo rank, in a fresh interpreter: a functional all-gather inside a
 # custom autograd Function (as DTensor's redistributions issue it, below
 # autograd), then elementwise ops the region drops and replays.
-_GATHER = """
+_GATHER = (
+    _EXIT
+    + """
 import contextlib, torch, torch_sac, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 group = dist.group.WORLD
@@ -280,6 +294,7 @@ def check(body):
     assert torch.equal(got, want)
     return region.stats()
 """
+)
 
 
 def test_a_replayed_gathers_buffer_gives_way_to_what_its_readers_made():
@@ -297,7 +312,8 @@ def test_a_replayed_gathers_buffer_gives_way_to_what_its_readers_made():
 stats = check(lambda g: ((g + 1).sin() * 3).cos())
 assert stats["collective_replays"] == 1, stats
 assert stats["peak_memo_bytes"] == 2 * 64 * 256 * 4, stats
-print("ok")
+print("ok", flush=True)
+_exit_without_teardown()
 """
     )
     run = run_isolated(code)
@@ -314,7 +330,8 @@ def test_a_gather_with_two_readers_stays_held_until_both_are():
         + """
 stats = check(lambda g: (g + 1).sin() + (g * 2).cos())
 assert stats["collective_replays"] == 1, stats
-print("ok")
+print("ok", flush=True)
+_exit_without_teardown()
 """
     )
     run = run_isolated(code)
@@ -327,7 +344,9 @@ def test_a_collective_the_region_does_not_replay_is_kept_itemised_and_said():
     made in the region: the region never replays it, so what it wrote is
     kept where autograd saves it, exact, and op_details and the region's
     one warning say which op and why."""
-    code = """
+    code = (
+        _EXIT
+        + """
 import contextlib, warnings, torch, torch_sac, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 
@@ -352,9 +371,11 @@ assert rows[0]["kept_anyway_bytes"] == 64 * 256 * 4, rows
 assert "collective the region does not replay" in rows[0]["kept_why"], rows
 said = [str(w.message) for w in said if "cannot replay" in str(w.message)]
 assert len(said) == 1 and "functional collectives" in said[0], said
-print("ok")
+print("ok", flush=True)
+_exit_without_teardown()
 dist.destroy_process_group()
 """
+    )
     run = run_isolated(code)
     assert run.status == "ok", run.stderr[-3000:]
     assert run.stdout.startswith("ok")
@@ -430,7 +451,9 @@ def test_a_tensor_from_outside_waited_inside_is_not_kept_against_the_policy():
     tensor made outside it. What it returns is that outside tensor, kept
     whatever the policy, so it is not itemised as kept anyway nor warned of
     (it was, once per region, on every TP block)."""
-    code = """
+    code = (
+        _EXIT
+        + """
 import warnings, torch, torch_sac, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 group = dist.group.WORLD
@@ -454,8 +477,10 @@ assert torch.equal(x.grad, x.cos()), "gradient"
 kept = [r["op"] for r in region.op_details() if r["kept_anyway"]]
 assert kept == [], kept
 assert not [w for w in caught if "kept tensors" in str(w.message)], [str(w.message) for w in caught]
-print("ok")
+print("ok", flush=True)
+_exit_without_teardown()
 """
+    )
     run = run_isolated(code)
     assert run.status == "ok", run.stderr[-3000:]
     assert run.stdout.startswith("ok")
