@@ -452,22 +452,17 @@ def test_a_tensor_from_outside_waited_inside_is_not_kept_against_the_policy():
     whatever the policy, so it is not itemised as kept anyway nor warned of
     (it was, once per region, on every TP block)."""
     code = (
-        _EXIT
+        _GATHER
         + """
-import warnings, torch, torch_sac, torch.distributed as dist
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-group = dist.group.WORLD
+import warnings
 
-class Gather(torch.autograd.Function):
+class NotWaited(Gather):  # the gather's output, waited for by the caller
     @staticmethod
     def forward(ctx, x):
         return torch.ops._c10d_functional.all_gather_into_tensor(x, 1, group.group_name)
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 x = torch.randn(64, 256, requires_grad=True)
-g = Gather.apply(x)
+g = NotWaited.apply(x)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with torch_sac.sac_context(torch_sac.policies.recompute_all()) as region:
