@@ -52,6 +52,19 @@ const char* passes_through(c10::ArrayRef<c10::IValue> values) {
   return why;
 }
 
+// The storages of the tensors in `values`.
+std::vector<const c10::StorageImpl*> storages_in(c10::ArrayRef<c10::IValue> values) {
+  std::vector<const c10::StorageImpl*> storages;
+  for (const c10::IValue& v : values) {
+    for_each_tensor(v, [&](const at::Tensor& t) {
+      if (t.defined() && t.has_storage()) {
+        storages.push_back(t.storage().unsafeGetStorageImpl());
+      }
+    });
+  }
+  return storages;
+}
+
 // The region whose c10d collective is running on this thread: the ops its
 // backend runs meanwhile come to that region's handle() (InterceptNestedOps)
 // to have their outputs noted, not recorded.
@@ -213,14 +226,7 @@ void Region::note_unreplayable(
   };
   // What it returns of its inputs (wait_tensor, views) was not made here:
   // a tensor from outside the region is kept whatever the op.
-  std::vector<const c10::StorageImpl*> read;
-  for (const c10::IValue& in : inputs) {
-    for_each_tensor(in, [&](const at::Tensor& t) {
-      if (t.defined() && t.has_storage()) {
-        read.push_back(t.storage().unsafeGetStorageImpl());
-      }
-    });
-  }
+  const std::vector<const c10::StorageImpl*> read = storages_in(inputs);
   for (const c10::IValue& out : outputs) {
     for_each_tensor(out, [&](const at::Tensor& t) {
       if (t.defined() && t.has_storage() && !storages_.find(t).valid() &&
@@ -457,14 +463,8 @@ void Region::handle(
   if (tls_collective_running == this) {
     // An op a c10d collective's backend runs: the storages it makes are
     // noted (not views: those are of the collective's own arguments).
-    std::vector<const c10::StorageImpl*> read;
-    for (const c10::IValue& in : torch::jit::last(*stack, op.schema().arguments().size())) {
-      for_each_tensor(in, [&](const at::Tensor& t) {
-        if (t.defined() && t.has_storage()) {
-          read.push_back(t.storage().unsafeGetStorageImpl());
-        }
-      });
-    }
+    const std::vector<const c10::StorageImpl*> read = storages_in(
+        torch::jit::last(*stack, op.schema().arguments().size()));
     run(stack);
     std::lock_guard<std::mutex> lock(mutex_);
     for (const c10::IValue& out : torch::jit::last(*stack, op.schema().returns().size())) {
