@@ -24,6 +24,9 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _compat
 
+# Before any of the user's ops: see _compat (oneMKL's first-call race).
+_compat.settle_mkl_vml_dispatch()
+
 try:
     from ._build_info import BUILT_WITH_TORCH as _BUILT_WITH_TORCH
 except ImportError:  # built without setup.py (a bare CMake build): _C says below

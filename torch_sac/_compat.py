@@ -23,6 +23,7 @@ __all__ = [
     "is_compiling",
     "sac_ignored_ops",
     "sac_policy_sees_output",
+    "settle_mkl_vml_dispatch",
 ]
 
 
@@ -170,3 +171,38 @@ def fsdp_param_groups(state):
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
+
+
+# --- oneMKL's vector math (VML) -----------------------------------------------
+# ATen runs contiguous float and double acos, asin, atan, cos, erf, erfc,
+# erfinv, exp, log, log10, log2, sin, sqrt, tan, tanh and trunc through MKL
+# VML, each intra-op thread on its share. The oneMKL these wheels bundle
+# (2024.2; 2.13.0+cpu says "Version 2024.2-Product Build 20240605") picks each
+# VML function's kernel on its first call, and when that first call runs on
+# several threads at once, one thread can run a low-accuracy kernel over its
+# whole share of that one call: about 1e-4 relative error, up to thousands of
+# ulp (pytorch/pytorch#188792; fixed in oneMKL 2025). Measured here (2 cores,
+# torch 2.13.0+cpu): the first `x.sin()` of a fresh process on a 64x256 tensor
+# differed from every later one in half its elements in 11 of 20000 processes
+# with 8 intra-op threads, 0 of 20000 after the calls below
+# (scripts/mkl_first_call_storm.py). A first
+# forward or backward that goes wrong this way makes "the same gradients as
+# without checkpointing" fail by chance, whichever run came first.
+_VML_FUNCTIONS = (
+    "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp",
+    "log", "log10", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+def settle_mkl_vml_dispatch():
+    """Calls each VML function once on one element (one thread), float and
+    double, so that oneMKL has chosen its kernels before any op runs them on
+    several threads. Results are unchanged: it only moves each function's
+    first call. Without MKL (ARM, macOS builds) there is nothing to settle."""
+    if not torch.backends.mkl.is_available():
+        return
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64):
+            half = torch.full((1,), 0.5, dtype=dtype, device="cpu")
+            for name in _VML_FUNCTIONS:
+                getattr(torch, name)(half)

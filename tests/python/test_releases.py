@@ -105,3 +105,66 @@ def test_fsdp_param_groups_both_layouts():
     assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_groups=[group])) == [group]
     assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=group)) == [group]
     assert _compat.fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op name, dtype, numel) of each aten op called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if args and isinstance(args[0], torch.Tensor):
+            self.calls.add((func.overloadpacket.__name__, args[0].dtype, args[0].numel()))
+        return out
+
+
+@pytest.mark.adapter_independent
+def test_mkl_vml_functions_are_each_called_once_on_one_element_per_dtype():
+    """oneMKL 2024.2 picks a VML function's kernel on its first call; a first
+    call on several threads can run a low-accuracy kernel on one thread's
+    share (pytorch/pytorch#188792: a first ``sin`` off by 1e-4 in half a
+    tensor, which failed a bitwise gradient check by chance). Settling calls
+    every such function on one element, float and double, on one thread."""
+    with _Calls() as seen:
+        _compat.settle_mkl_vml_dispatch()
+    if not torch.backends.mkl.is_available():
+        assert seen.calls == set()
+        return
+    for name in _compat._VML_FUNCTIONS:
+        for dtype in (torch.float32, torch.float64):
+            assert (name, dtype, 1) in seen.calls, (name, dtype)
+
+
+@pytest.mark.adapter_independent
+def test_importing_torch_sac_settles_mkl_vml_before_the_users_ops():
+    """The import does it, before any op of the program that imports it."""
+    code = (
+        "import torch\n"
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "class Calls(TorchDispatchMode):\n"
+        "    seen = set()\n"
+        "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        if args and isinstance(args[0], torch.Tensor):\n"
+        "            self.seen.add((func.overloadpacket.__name__, args[0].dtype))\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        "with Calls():\n"
+        "    import torch_sac\n"
+        "if torch.backends.mkl.is_available():\n"
+        "    assert ('sin', torch.float32) in Calls.seen, Calls.seen\n"
+        "    assert ('tanh', torch.float64) in Calls.seen, Calls.seen\n"
+        "print('ok')\n"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=PROGRAM_LIMIT_S,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
