@@ -373,7 +373,6 @@ said = [str(w.message) for w in said if "cannot replay" in str(w.message)]
 assert len(said) == 1 and "functional collectives" in said[0], said
 print("ok", flush=True)
 _exit_without_teardown()
-dist.destroy_process_group()
 """
     )
     run = run_isolated(code)
